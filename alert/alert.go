@@ -1,0 +1,80 @@
+// Package alert is the one small interface through which the outbox raises
+// alerts: an unroutable event, a dead-lettered event, a dispatcher loop that
+// keeps failing, a listener that stays disconnected.
+//
+// Log is the implementation used when no other is configured. Alerts carry
+// ids, types, the tenant and the error, never the payload.
+package alert
+
+import (
+	"context"
+	"log/slog"
+)
+
+// Reason classifies an alert.
+type Reason string
+
+// The reasons the outbox raises.
+const (
+	// Unroutable: no route matches the event's type; the event is failed.
+	Unroutable Reason = "unroutable"
+	// DeadLetter: the event failed more than OUTBOX_MAX_RETRIES times.
+	DeadLetter Reason = "dead_letter"
+	// DispatcherFailing: consecutive dispatch passes keep failing.
+	DispatcherFailing Reason = "dispatcher_failing"
+	// ListenerDisconnected: the LISTEN connection has been down for a while.
+	ListenerDisconnected Reason = "listener_disconnected"
+)
+
+// Alert is one alert.
+type Alert struct {
+	Reason    Reason
+	Message   string
+	EventID   int64
+	EventType string
+	TenantID  string
+	Retries   int
+	Err       string
+}
+
+// Alerter raises alerts. Implementations must be safe for concurrent use
+// and must not block for long (the dispatcher calls them after commits).
+type Alerter interface {
+	Alert(ctx context.Context, a Alert)
+}
+
+// Log is an Alerter that writes alerts to a structured logger at error level.
+type Log struct {
+	Logger *slog.Logger
+}
+
+// Alert implements Alerter.
+func (l Log) Alert(ctx context.Context, a Alert) {
+	logger := l.Logger
+	if logger == nil {
+		logger = slog.Default()
+	}
+	attrs := []slog.Attr{slog.String("reason", string(a.Reason))}
+	if a.EventID != 0 {
+		attrs = append(attrs, slog.Int64("event_id", a.EventID))
+	}
+	if a.EventType != "" {
+		attrs = append(attrs, slog.String("event_type", a.EventType))
+	}
+	if a.TenantID != "" {
+		attrs = append(attrs, slog.String("tenant_id", a.TenantID))
+	}
+	if a.Retries != 0 {
+		attrs = append(attrs, slog.Int("retries", a.Retries))
+	}
+	if a.Err != "" {
+		attrs = append(attrs, slog.String("error", a.Err))
+	}
+	logger.LogAttrs(ctx, slog.LevelError, "outbox alert: "+a.Message, attrs...)
+}
+
+// Func adapts a function to Alerter.
+type Func func(ctx context.Context, a Alert)
+
+// Alert implements Alerter.
+func (f Func) Alert(ctx context.Context, a Alert) { f(ctx, a) }

@@ -1,0 +1,400 @@
+// Package claim holds the dispatcher's SQL and its batch transaction: claim
+// due events with FOR UPDATE SKIP LOCKED, route them, insert one River job
+// per (event, queue) through an insert-only River client, and mark the
+// events done, all in one transaction, so that the handoff is exactly-once.
+//
+// A batch whose River insert fails is rolled back and retried event by
+// event, each in its own transaction, so that one poison event fails alone:
+// it gets retries+1, last_error and a backoff of 1, 2, 4, 8, 16 or 32
+// minutes, and after more than MaxRetries failures the status failed.
+package claim
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/riverqueue/river"
+
+	"github.com/outboxhq/outbox/alert"
+	outboxriver "github.com/outboxhq/outbox/river"
+	"github.com/outboxhq/outbox/route"
+)
+
+// Event is a claimed outbox row.
+type Event struct {
+	ID          int64
+	Type        string
+	TenantID    *string
+	Payload     json.RawMessage
+	DispatchKey *string
+	Retries     int
+	CreatedAt   time.Time
+}
+
+// claimSQL locks up to $1 due pending events. The partial index
+// outbox_event_claim_idx (scheduled_at, id) WHERE status = 'pending' makes
+// this an index range scan that stops after $1 rows; SKIP LOCKED lets
+// concurrent dispatchers take disjoint batches. The rows stay locked until
+// the batch transaction ends, so no 'processing' state is written: the
+// status goes straight from pending to done (or failed) in the same
+// transaction, one UPDATE per row instead of two.
+const claimSQL = `
+SELECT id, event_type, tenant_id, payload, dispatch_key, retries, created_at
+FROM outbox_event
+WHERE status = 'pending' AND scheduled_at <= now()
+ORDER BY scheduled_at, id
+LIMIT $1
+FOR UPDATE SKIP LOCKED`
+
+// claimOneSQL re-locks one event for the event-by-event retry.
+const claimOneSQL = `
+SELECT id, event_type, tenant_id, payload, dispatch_key, retries, created_at
+FROM outbox_event
+WHERE id = $1 AND status = 'pending'
+FOR UPDATE SKIP LOCKED`
+
+// markDoneSQL marks events done and records their River job ids. $1 and $2
+// are parallel arrays (event id, job id), one entry per job, in route order.
+const markDoneSQL = `
+UPDATE outbox_event e
+SET status = 'done', processed_at = now(), locked_until = NULL, river_job_ids = j.ids
+FROM (
+    SELECT event_id, array_agg(job_id ORDER BY ord) AS ids
+    FROM unnest($1::bigint[], $2::bigint[]) WITH ORDINALITY AS t(event_id, job_id, ord)
+    GROUP BY event_id
+) j
+WHERE e.id = j.event_id`
+
+// markUnroutableSQL fails events that no route matches, at once.
+const markUnroutableSQL = `
+UPDATE outbox_event
+SET status = 'failed', locked_until = NULL, retries = retries + 1,
+    last_error = 'no route matches event type ' || event_type || ': add a rule to the routes file, then requeue'
+WHERE id = ANY($1::bigint[])`
+
+// recordFailureSQL records one failed attempt. Backoff is 1, 2, 4, 8, 16, 32
+// minutes for the 1st to 6th failure (then 32); after more than $3 failures
+// the event is dead-lettered as failed. The status guard leaves an event
+// alone if another dispatcher handed it off in the meantime.
+const recordFailureSQL = `
+UPDATE outbox_event
+SET retries      = retries + 1,
+    last_error   = $2,
+    locked_until = NULL,
+    status       = CASE WHEN retries + 1 > $3 THEN 'failed'::outbox_status ELSE 'pending'::outbox_status END,
+    scheduled_at = CASE WHEN retries + 1 > $3 THEN scheduled_at
+                        ELSE now() + make_interval(mins => 1 << LEAST(retries, 5)) END
+WHERE id = $1 AND status IN ('pending', 'processing')
+RETURNING status::text, retries, event_type, tenant_id`
+
+// RescueSQL puts rows left in 'processing' past locked_until back to
+// pending. This dispatcher never commits 'processing' (see claimSQL), but
+// external tools or older versions may; the rescue keeps them from sticking.
+const RescueSQL = `
+UPDATE outbox_event SET status = 'pending', locked_until = NULL
+WHERE status = 'processing' AND locked_until < now()`
+
+// Backoff returns the delay after the n-th failed attempt (n >= 1).
+func Backoff(n int) time.Duration {
+	if n < 1 {
+		n = 1
+	}
+	return time.Duration(1<<min(n-1, 5)) * time.Minute
+}
+
+// Handoff runs batches. Its fields must be set before use and not changed.
+type Handoff struct {
+	Pool   *pgxpool.Pool
+	River  *river.Client[pgx.Tx]
+	Routes *route.Table
+	// MaxRetries is the number of failed attempts after which the next
+	// failure dead-letters the event.
+	MaxRetries int
+	Alerter    alert.Alerter
+}
+
+// Result summarises one batch.
+type Result struct {
+	// Claimed is the number of events the claim returned.
+	Claimed int
+	// Done events were handed to River.
+	Done int
+	// Jobs inserted into River.
+	Jobs int
+	// Unroutable events were failed at once.
+	Unroutable int
+	// Retried events failed an attempt and were rescheduled.
+	Retried int
+	// DeadLettered events failed for the last time.
+	DeadLettered int
+	// Skipped events were claimed by another dispatcher during the
+	// event-by-event retry.
+	Skipped int
+	// Oldest is the created_at of the oldest handed-off event (zero if none).
+	Oldest time.Time
+	// CreatedAt of every handed-off event, for latency metrics.
+	CreatedAt []time.Time
+	// Fallback is true when the batch failed as a whole and its events were
+	// retried one by one.
+	Fallback bool
+}
+
+func (r *Result) add(o Result) {
+	r.Done += o.Done
+	r.Jobs += o.Jobs
+	r.Unroutable += o.Unroutable
+	r.Retried += o.Retried
+	r.DeadLettered += o.DeadLettered
+	r.Skipped += o.Skipped
+	r.CreatedAt = append(r.CreatedAt, o.CreatedAt...)
+}
+
+// Batch claims up to limit due events and hands them off in one
+// transaction. When the River insert or the commit fails, the batch is
+// rolled back and every claimed event is retried in its own transaction.
+// An error means the batch could not run at all (nothing changed).
+func (h *Handoff) Batch(ctx context.Context, limit int) (Result, error) {
+	var res Result
+	tx, err := h.Pool.Begin(ctx)
+	if err != nil {
+		return res, fmt.Errorf("claim: begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+
+	events, err := claim(ctx, tx, claimSQL, limit)
+	if err != nil {
+		return res, err
+	}
+	res.Claimed = len(events)
+	if len(events) == 0 {
+		// Nothing locked, nothing written: ending the transaction either
+		// way is the same. Commit is one round trip like Rollback.
+		return res, nil
+	}
+
+	batchRes, unroutable, err := h.handoff(ctx, tx, events)
+	if err == nil {
+		err = tx.Commit(ctx)
+		if err != nil {
+			err = fmt.Errorf("claim: commit: %w", err)
+		}
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			return res, err
+		}
+		// Poison isolation: retry each event alone.
+		_ = tx.Rollback(ctx)
+		res.Fallback = true
+		for _, e := range events {
+			one, oneErr := h.One(ctx, e.ID, err)
+			if oneErr != nil {
+				return res, oneErr
+			}
+			res.add(one)
+		}
+		return res, nil
+	}
+	res.add(batchRes)
+	h.alertUnroutable(ctx, unroutable)
+	return res, nil
+}
+
+// One hands off a single event in its own transaction; batchErr is the
+// error that made its batch fail, recorded if this attempt fails too.
+func (h *Handoff) One(ctx context.Context, id int64, batchErr error) (Result, error) {
+	var res Result
+	tx, err := h.Pool.Begin(ctx)
+	if err != nil {
+		return res, fmt.Errorf("claim: begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+
+	events, err := claim(ctx, tx, claimOneSQL, id)
+	if err != nil {
+		return res, err
+	}
+	if len(events) == 0 {
+		res.Skipped = 1
+		return res, nil
+	}
+	res.Claimed = 1
+	oneRes, unroutable, err := h.handoff(ctx, tx, events)
+	if err == nil {
+		if err = tx.Commit(ctx); err != nil {
+			err = fmt.Errorf("claim: commit: %w", err)
+		}
+	}
+	if err == nil {
+		res.add(oneRes)
+		h.alertUnroutable(ctx, unroutable)
+		return res, nil
+	}
+	if ctx.Err() != nil {
+		return res, err
+	}
+	_ = tx.Rollback(ctx)
+	if batchErr != nil && !errors.Is(err, batchErr) {
+		err = fmt.Errorf("%w (batch: %v)", err, batchErr)
+	}
+	failed, err := h.recordFailure(ctx, events[0], err)
+	if err != nil {
+		return res, err
+	}
+	if failed {
+		res.DeadLettered = 1
+	} else {
+		res.Retried = 1
+	}
+	return res, nil
+}
+
+func claim(ctx context.Context, tx pgx.Tx, sql string, arg any) ([]Event, error) {
+	rows, err := tx.Query(ctx, sql, arg)
+	if err != nil {
+		return nil, fmt.Errorf("claim: %w", err)
+	}
+	events, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Event, error) {
+		var e Event
+		err := row.Scan(&e.ID, &e.Type, &e.TenantID, &e.Payload, &e.DispatchKey, &e.Retries, &e.CreatedAt)
+		return e, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("claim: %w", err)
+	}
+	return events, nil
+}
+
+// handoff routes events, inserts their jobs and marks them done or failed,
+// inside tx. It returns the unroutable events for alerting after commit.
+func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Result, []Event, error) {
+	var (
+		res        Result
+		unroutable []Event
+		params     = make([]river.InsertManyParams, 0, len(events))
+		jobEvent   = make([]int64, 0, len(events))
+	)
+	for i := range events {
+		e := &events[i]
+		queues := h.Routes.Queues(e.Type)
+		if len(queues) == 0 {
+			unroutable = append(unroutable, *e)
+			continue
+		}
+		args := outboxriver.EventArgs{
+			EventID:     e.ID,
+			EventType:   e.Type,
+			TenantID:    e.TenantID,
+			Payload:     e.Payload,
+			DispatchKey: e.DispatchKey,
+			CreatedAt:   e.CreatedAt,
+		}
+		for _, q := range queues {
+			params = append(params, river.InsertManyParams{Args: args, InsertOpts: &river.InsertOpts{Queue: q}})
+			jobEvent = append(jobEvent, e.ID)
+		}
+		res.Done++
+		res.CreatedAt = append(res.CreatedAt, e.CreatedAt)
+	}
+	if len(params) > 0 {
+		inserted, err := h.River.InsertManyTx(ctx, tx, params)
+		if err != nil {
+			return res, nil, fmt.Errorf("insert River jobs: %w", err)
+		}
+		if len(inserted) != len(params) {
+			return res, nil, fmt.Errorf("insert River jobs: River returned %d results for %d jobs", len(inserted), len(params))
+		}
+		jobIDs := make([]int64, len(inserted))
+		for i, r := range inserted {
+			jobIDs[i] = r.Job.ID
+		}
+		if _, err := tx.Exec(ctx, markDoneSQL, jobEvent, jobIDs); err != nil {
+			return res, nil, fmt.Errorf("mark done: %w", err)
+		}
+		res.Jobs = len(params)
+	}
+	if len(unroutable) > 0 {
+		ids := make([]int64, len(unroutable))
+		for i, e := range unroutable {
+			ids[i] = e.ID
+		}
+		if _, err := tx.Exec(ctx, markUnroutableSQL, ids); err != nil {
+			return res, nil, fmt.Errorf("mark unroutable: %w", err)
+		}
+		res.Unroutable = len(unroutable)
+	}
+	return res, unroutable, nil
+}
+
+func (h *Handoff) alertUnroutable(ctx context.Context, events []Event) {
+	if h.Alerter == nil {
+		return
+	}
+	for _, e := range events {
+		h.Alerter.Alert(ctx, alert.Alert{
+			Reason:    alert.Unroutable,
+			Message:   "no route matches event type " + e.Type + "; the event is failed",
+			EventID:   e.ID,
+			EventType: e.Type,
+			TenantID:  deref(e.TenantID),
+		})
+	}
+}
+
+// recordFailure writes one failed attempt; it reports whether the event is
+// now dead-lettered.
+func (h *Handoff) recordFailure(ctx context.Context, e Event, cause error) (bool, error) {
+	msg := truncateUTF8(cause.Error(), 2000)
+	var (
+		status   string
+		retries  int
+		typ      string
+		tenantID *string
+	)
+	err := h.Pool.QueryRow(ctx, recordFailureSQL, e.ID, msg, h.MaxRetries).Scan(&status, &retries, &typ, &tenantID)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, nil // handed off or changed by someone else meanwhile
+	}
+	if err != nil {
+		return false, fmt.Errorf("claim: record failure of event %d: %w", e.ID, err)
+	}
+	if status != "failed" {
+		return false, nil
+	}
+	if h.Alerter != nil {
+		h.Alerter.Alert(ctx, alert.Alert{
+			Reason:    alert.DeadLetter,
+			Message:   fmt.Sprintf("event %d (%s) failed %d times and is dead-lettered", e.ID, typ, retries),
+			EventID:   e.ID,
+			EventType: typ,
+			TenantID:  deref(tenantID),
+			Retries:   retries,
+			Err:       msg,
+		})
+	}
+	return true, nil
+}
+
+func deref(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
+}
+
+func truncateUTF8(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	s = s[:n]
+	for !utf8.ValidString(s) {
+		s = s[:len(s)-1]
+	}
+	return s + "…"
+}

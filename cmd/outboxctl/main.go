@@ -1,0 +1,156 @@
+// Command outboxctl is the operator's CLI for the outbox.
+//
+//	outboxctl migrate              apply the outbox's and River's migrations
+//	outboxctl publish --type T     publish one event
+//
+// Every command reads DATABASE_URL and takes --json. Exit status: 0 success,
+// 1 failure, 2 bad usage.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"sort"
+	"syscall"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxhq/outbox/internal/dbconn"
+)
+
+// command is one subcommand.
+type command struct {
+	summary string
+	run     func(ctx context.Context, c *cli, args []string) error
+}
+
+var commands = map[string]command{}
+
+func register(name, summary string, run func(ctx context.Context, c *cli, args []string) error) {
+	commands[name] = command{summary: summary, run: run}
+}
+
+// usageError makes the process exit 2.
+type usageError struct{ msg string }
+
+func (e *usageError) Error() string { return e.msg }
+
+func usagef(format string, a ...any) error { return &usageError{fmt.Sprintf(format, a...)} }
+
+// cli carries what every command needs.
+type cli struct {
+	stdout, stderr io.Writer
+	jsonOut        bool
+	dbURL          string
+	pool           *pgxpool.Pool
+}
+
+// db opens the pool on first use.
+func (c *cli) db(ctx context.Context) (*pgxpool.Pool, error) {
+	if c.pool != nil {
+		return c.pool, nil
+	}
+	pool, err := dbconn.Open(ctx, c.dbURL, dbconn.Options{MaxConns: 4, Wait: 0})
+	if err != nil {
+		return nil, err
+	}
+	c.pool = pool
+	return pool, nil
+}
+
+func (c *cli) printJSON(v any) error {
+	enc := json.NewEncoder(c.stdout)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+// flags returns a FlagSet with --json bound, errors returned not printed.
+func (c *cli) flags(name string) *flag.FlagSet {
+	fs := flag.NewFlagSet("outboxctl "+name, flag.ContinueOnError)
+	fs.SetOutput(c.stderr)
+	fs.BoolVar(&c.jsonOut, "json", false, "print JSON")
+	return fs
+}
+
+// parse parses args; a flag error becomes a usage error.
+func parse(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return &usageError{""}
+		}
+		return &usageError{err.Error()}
+	}
+	return nil
+}
+
+func main() {
+	os.Exit(Main(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+// Main runs outboxctl with args and returns the exit status.
+func Main(args []string, stdout, stderr io.Writer) int {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	c := &cli{stdout: stdout, stderr: stderr, dbURL: os.Getenv("DATABASE_URL")}
+	defer func() {
+		if c.pool != nil {
+			c.pool.Close()
+		}
+	}()
+	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
+		usage(stderr)
+		if len(args) == 0 {
+			return 2
+		}
+		return 0
+	}
+	cmd, ok := commands[args[0]]
+	if !ok {
+		fmt.Fprintf(stderr, "outboxctl: unknown command %q\n\n", args[0])
+		usage(stderr)
+		return 2
+	}
+	err := cmd.run(ctx, c, args[1:])
+	var uerr *usageError
+	switch {
+	case err == nil:
+		return 0
+	case errors.As(err, &uerr):
+		if uerr.msg != "" {
+			fmt.Fprintf(stderr, "outboxctl %s: %s\n", args[0], uerr.msg)
+		}
+		return 2
+	default:
+		msg := dbconn.Redact(err.Error(), c.dbURL)
+		if c.jsonOut {
+			_ = c.printJSON(map[string]string{"error": msg})
+		}
+		fmt.Fprintf(stderr, "outboxctl %s: %s\n", args[0], msg)
+		return 1
+	}
+}
+
+func usage(w io.Writer) {
+	fmt.Fprintln(w, "usage: outboxctl <command> [flags]   (DATABASE_URL selects the database)")
+	fmt.Fprintln(w)
+	names := make([]string, 0, len(commands))
+	for n := range commands {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for _, n := range names {
+		fmt.Fprintf(w, "  %-10s %s\n", n, commands[n].summary)
+	}
+	fmt.Fprintln(w, "\nEvery command takes --json. Exit status: 0 success, 1 failure, 2 bad usage.")
+}
+
+func init() {
+	register("migrate", "apply the outbox's and River's migrations (idempotent, safe to run concurrently)", runMigrate)
+	register("publish", "publish one event: --type T [--payload JSON] [--tenant ID] [--key KEY]", runPublish)
+}

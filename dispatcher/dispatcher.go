@@ -1,0 +1,477 @@
+// Package dispatcher runs the outbox's dispatch loop: it wakes on the
+// listener's signal (LISTEN/NOTIFY) or on a poll tick, claims due events in
+// batches and hands them to River (package claim), draining with up to
+// Concurrency batches in flight while batches come back full.
+//
+// Between passes an idle dispatcher holds the wake lock (see the migration's
+// wake trigger) so that producers notify only while someone is waiting, and
+// it re-checks the table after taking the lock so that no commit slips
+// between its last pass and its sleep.
+//
+// Start returns once the loop runs; Stop finishes the batches in flight and
+// returns (a context deadline on Stop cancels them instead).
+package dispatcher
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxhq/outbox/alert"
+	"github.com/outboxhq/outbox/claim"
+	"github.com/outboxhq/outbox/listener"
+	outboxriver "github.com/outboxhq/outbox/river"
+	"github.com/outboxhq/outbox/route"
+)
+
+// Config configures a Dispatcher. Zero values take the documented defaults.
+type Config struct {
+	// Routes is the routing table. Required: the dispatcher refuses to run
+	// without routes.
+	Routes *route.Table
+	// BatchSize is the most events claimed per batch. 0 means 100.
+	BatchSize int
+	// Concurrency is the most batches in flight at once while draining.
+	// 0 means 10.
+	Concurrency int
+	// PollInterval is the fallback poll cadence. 0 means 1 s.
+	PollInterval time.Duration
+	// ListenDisabled selects poll-only mode (for PgBouncer in transaction
+	// mode, where LISTEN does not work).
+	ListenDisabled bool
+	// MaxRetries is the number of failed attempts after which the next
+	// failure dead-letters an event. 0 means 6; use a negative value for
+	// "dead-letter on the first failure".
+	MaxRetries int
+	// BatchTimeout bounds one batch transaction. 0 means 30 s.
+	BatchTimeout time.Duration
+	// RiverFetchCooldown is the insert NOTIFY debounce of the dispatcher's
+	// insert-only River client. 0 means outboxriver.DefaultFetchCooldown.
+	RiverFetchCooldown time.Duration
+	// ReconnectDelay and PingInterval configure the listener (see package
+	// listener). 0 means 1 s and 2 s.
+	ReconnectDelay time.Duration
+	PingInterval   time.Duration
+	// WakeLockTimeout bounds the wait for the wake lock. 0 means 250 ms.
+	WakeLockTimeout time.Duration
+	// Alerter receives alerts; nil means alert.Log with Logger.
+	Alerter alert.Alerter
+	// Logger; nil means slog.Default().
+	Logger *slog.Logger
+	// OnBatch, if set, is called after every batch that claimed events
+	// (metrics, tests). It must be safe for concurrent calls and quick.
+	OnBatch func(claim.Result)
+	// FailureAlertAfter raises DispatcherFailing after this many consecutive
+	// failed passes. 0 means 5.
+	FailureAlertAfter int
+}
+
+func (c *Config) setDefaults() {
+	if c.BatchSize == 0 {
+		c.BatchSize = 100
+	}
+	if c.Concurrency == 0 {
+		c.Concurrency = 10
+	}
+	if c.PollInterval == 0 {
+		c.PollInterval = time.Second
+	}
+	switch {
+	case c.MaxRetries == 0:
+		c.MaxRetries = 6
+	case c.MaxRetries < 0:
+		c.MaxRetries = 0
+	}
+	if c.BatchTimeout == 0 {
+		c.BatchTimeout = 30 * time.Second
+	}
+	if c.WakeLockTimeout == 0 {
+		c.WakeLockTimeout = 250 * time.Millisecond
+	}
+	if c.FailureAlertAfter == 0 {
+		c.FailureAlertAfter = 5
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	if c.Alerter == nil {
+		c.Alerter = alert.Log{Logger: c.Logger}
+	}
+}
+
+func (c *Config) validate() error {
+	switch {
+	case c.Routes == nil:
+		return errors.New("dispatcher: Routes is required: the dispatcher refuses to start without routes")
+	case c.BatchSize < 1 || c.BatchSize > 10000:
+		return fmt.Errorf("dispatcher: BatchSize must be 1..10000, got %d", c.BatchSize)
+	case c.Concurrency < 1 || c.Concurrency > 1000:
+		return fmt.Errorf("dispatcher: Concurrency must be 1..1000, got %d", c.Concurrency)
+	case c.PollInterval < time.Millisecond:
+		return fmt.Errorf("dispatcher: PollInterval must be at least 1ms, got %s", c.PollInterval)
+	case c.BatchTimeout < 0:
+		return errors.New("dispatcher: BatchTimeout must not be negative")
+	}
+	return nil
+}
+
+// Stats are cumulative counters.
+type Stats struct {
+	Batches      int64
+	Events       int64
+	Jobs         int64
+	Unroutable   int64
+	Retried      int64
+	DeadLettered int64
+	Wakes        int64
+	Polls        int64
+	Errors       int64
+}
+
+// Dispatcher is the dispatch loop. Create it with New.
+type Dispatcher struct {
+	cfg     Config
+	pool    *pgxpool.Pool
+	handoff *claim.Handoff
+	lis     *listener.Listener
+	lock    *wakeLock
+	logger  *slog.Logger
+	schema  string
+
+	batches, events, jobs, unroutable, retried, dead, wakes, polls, errs atomic.Int64
+	running                                                              atomic.Bool
+
+	mu       sync.Mutex
+	started  bool
+	stop     chan struct{}
+	stopOnce sync.Once
+	hard     context.CancelFunc
+	done     chan struct{}
+}
+
+// New validates cfg and builds a Dispatcher on pool (whose search_path
+// selects the outbox schema).
+func New(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
+	cfg.setDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	rc, err := outboxriver.NewInsertClient(pool, outboxriver.InsertClientConfig{FetchCooldown: cfg.RiverFetchCooldown})
+	if err != nil {
+		return nil, fmt.Errorf("dispatcher: River client: %w", err)
+	}
+	d := &Dispatcher{
+		cfg:    cfg,
+		pool:   pool,
+		logger: cfg.Logger,
+		handoff: &claim.Handoff{
+			Pool:       pool,
+			River:      rc,
+			Routes:     cfg.Routes,
+			MaxRetries: cfg.MaxRetries,
+			Alerter:    cfg.Alerter,
+		},
+	}
+	return d, nil
+}
+
+// Stats returns the cumulative counters.
+func (d *Dispatcher) Stats() Stats {
+	return Stats{
+		Batches: d.batches.Load(), Events: d.events.Load(), Jobs: d.jobs.Load(),
+		Unroutable: d.unroutable.Load(), Retried: d.retried.Load(), DeadLettered: d.dead.Load(),
+		Wakes: d.wakes.Load(), Polls: d.polls.Load(), Errors: d.errs.Load(),
+	}
+}
+
+// Running reports whether the loop is running.
+func (d *Dispatcher) Running() bool { return d.running.Load() }
+
+// ListenerConnected reports whether the LISTEN connection is up (false in
+// poll-only mode).
+func (d *Dispatcher) ListenerConnected() bool { return d.lis != nil && d.lis.Connected() }
+
+// Start checks the schema, starts the listener (unless poll-only) and the
+// loop, and returns.
+func (d *Dispatcher) Start(ctx context.Context) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.started {
+		return errors.New("dispatcher: already started")
+	}
+
+	var key int32
+	err := d.pool.QueryRow(ctx, `SELECT current_schema(), outbox_wake_lock_key()`).Scan(&d.schema, &key)
+	if err != nil {
+		return fmt.Errorf("dispatcher: read schema (has `outboxctl migrate` run on this database?): %w", err)
+	}
+
+	if !d.cfg.ListenDisabled {
+		connCfg := d.pool.Config().ConnConfig
+		d.lis, err = listener.New(listener.Config{
+			ConnConfig:     connCfg,
+			Pool:           d.pool,
+			Payload:        d.schema,
+			ReconnectDelay: d.cfg.ReconnectDelay,
+			PingInterval:   d.cfg.PingInterval,
+			Logger:         d.logger,
+		})
+		if err != nil {
+			return err
+		}
+		d.lock = &wakeLock{connConfig: connCfg, key: key, timeout: d.cfg.WakeLockTimeout}
+		if err := d.lis.Start(ctx); err != nil {
+			return err
+		}
+	}
+
+	d.started = true
+	d.stop = make(chan struct{})
+	d.done = make(chan struct{})
+	hardCtx, hard := context.WithCancel(context.WithoutCancel(ctx))
+	d.hard = hard
+	d.running.Store(true)
+	go func() {
+		defer close(d.done)
+		defer d.running.Store(false)
+		d.run(hardCtx)
+	}()
+	d.logger.Info("outbox dispatcher started",
+		slog.String("schema", d.schema),
+		slog.Bool("listen", !d.cfg.ListenDisabled),
+		slog.Int("batch_size", d.cfg.BatchSize),
+		slog.Int("concurrency", d.cfg.Concurrency),
+		slog.Duration("poll_interval", d.cfg.PollInterval),
+		slog.Int("max_retries", d.cfg.MaxRetries),
+		slog.Int("routes", len(d.cfg.Routes.Rules())))
+	return nil
+}
+
+// Stop asks the loop to stop after the batches in flight and waits. If ctx
+// ends first, the batches in flight are cancelled (rolled back: their events
+// stay pending) and Stop returns ctx's error once the loop has exited.
+// Stop is idempotent.
+func (d *Dispatcher) Stop(ctx context.Context) error {
+	d.mu.Lock()
+	started := d.started
+	d.mu.Unlock()
+	if !started {
+		return nil
+	}
+	d.stopOnce.Do(func() { close(d.stop) })
+	var err error
+	select {
+	case <-d.done:
+	case <-ctx.Done():
+		err = ctx.Err()
+		d.hard()
+		<-d.done
+	}
+	d.hard()
+	if d.lis != nil {
+		d.lis.Stop()
+	}
+	return err
+}
+
+func (d *Dispatcher) stopping() bool {
+	select {
+	case <-d.stop:
+		return true
+	default:
+		return false
+	}
+}
+
+// run is the loop. ctx is cancelled only by a hard stop.
+func (d *Dispatcher) run(ctx context.Context) {
+	defer func() {
+		if d.lock != nil {
+			_ = d.lock.release(ctx)
+			d.lock.close()
+		}
+	}()
+	poll := time.NewTicker(d.cfg.PollInterval)
+	defer poll.Stop()
+
+	failures := 0
+	backoff := func() {
+		failures++
+		d.errs.Add(1)
+		if failures == d.cfg.FailureAlertAfter {
+			d.cfg.Alerter.Alert(ctx, alert.Alert{
+				Reason:  alert.DispatcherFailing,
+				Message: fmt.Sprintf("the dispatch loop failed %d times in a row", failures),
+			})
+		}
+		delay := min(time.Duration(failures)*200*time.Millisecond, 5*time.Second)
+		select {
+		case <-time.After(delay):
+		case <-d.stop:
+		case <-ctx.Done():
+		}
+	}
+
+	d.rescue(ctx)
+	for !d.stopping() && ctx.Err() == nil {
+		if err := d.drain(ctx); err != nil {
+			d.logger.Error("outbox dispatch pass failed", slog.String("error", err.Error()))
+			backoff()
+			continue
+		}
+		failures = 0
+
+		// Go idle. With a live listener, take the wake lock, then re-check:
+		// rows committed by producers that skipped NOTIFY are visible now.
+		if d.lis != nil && d.lis.Connected() {
+			held, err := d.lock.acquire(ctx)
+			if err != nil {
+				d.logger.Warn("outbox wake lock unavailable; relying on polling", slog.String("error", err.Error()))
+			}
+			if held {
+				n, err := d.pass(ctx)
+				if err != nil || n > 0 {
+					// Work arrived: drain without the lock (busy
+					// dispatchers must not make producers notify).
+					_ = d.lock.release(ctx)
+					if err != nil {
+						d.logger.Error("outbox dispatch pass failed", slog.String("error", err.Error()))
+						backoff()
+					}
+					continue
+				}
+			}
+		}
+
+		select {
+		case <-d.stop:
+			return
+		case <-ctx.Done():
+			return
+		case <-d.wakeC():
+			d.wakes.Add(1)
+		case <-poll.C:
+			d.polls.Add(1)
+			d.rescue(ctx)
+		}
+	}
+}
+
+func (d *Dispatcher) wakeC() <-chan struct{} {
+	if d.lis == nil {
+		return nil
+	}
+	return d.lis.Wake()
+}
+
+// drain releases the wake lock (concurrently with the first batch) and
+// claims batches until one comes back short, fanning out to Concurrency
+// batches in flight while they come back full.
+func (d *Dispatcher) drain(ctx context.Context) error {
+	var released chan struct{}
+	if d.lock != nil && d.lock.held {
+		released = make(chan struct{})
+		go func() {
+			defer close(released)
+			if err := d.lock.release(ctx); err != nil {
+				d.logger.Warn("outbox wake lock release failed", slog.String("error", err.Error()))
+			}
+		}()
+	}
+	defer func() {
+		if released != nil {
+			<-released
+		}
+	}()
+
+	n, err := d.pass(ctx)
+	if err != nil || n < d.cfg.BatchSize || d.stopping() {
+		return err
+	}
+	if d.cfg.Concurrency == 1 {
+		for n == d.cfg.BatchSize && !d.stopping() {
+			if n, err = d.pass(ctx); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+
+	var (
+		wg      sync.WaitGroup
+		errOnce sync.Once
+		first   error
+	)
+	for range d.cfg.Concurrency {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for !d.stopping() && ctx.Err() == nil {
+				n, err := d.pass(ctx)
+				if err != nil {
+					errOnce.Do(func() { first = err })
+					return
+				}
+				if n < d.cfg.BatchSize {
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	return first
+}
+
+// pass runs one batch and returns how many events it claimed.
+func (d *Dispatcher) pass(ctx context.Context) (int, error) {
+	bctx, cancel := context.WithTimeout(ctx, d.cfg.BatchTimeout)
+	defer cancel()
+	res, err := d.handoff.Batch(bctx, d.cfg.BatchSize)
+	if err != nil {
+		return 0, err
+	}
+	if res.Claimed > 0 {
+		d.batches.Add(1)
+		d.events.Add(int64(res.Done))
+		d.jobs.Add(int64(res.Jobs))
+		d.unroutable.Add(int64(res.Unroutable))
+		d.retried.Add(int64(res.Retried))
+		d.dead.Add(int64(res.DeadLettered))
+		if d.cfg.OnBatch != nil {
+			d.cfg.OnBatch(res)
+		}
+		if res.Fallback {
+			d.logger.Warn("outbox batch failed; retried event by event",
+				slog.Int("claimed", res.Claimed), slog.Int("done", res.Done),
+				slog.Int("retried", res.Retried), slog.Int("dead_lettered", res.DeadLettered))
+		}
+	}
+	return res.Claimed, nil
+}
+
+func (d *Dispatcher) rescue(ctx context.Context) {
+	rctx, cancel := context.WithTimeout(ctx, d.cfg.BatchTimeout)
+	defer cancel()
+	tag, err := d.pool.Exec(rctx, claim.RescueSQL)
+	if err != nil {
+		if ctx.Err() == nil {
+			d.logger.Warn("outbox rescue of stale processing rows failed", slog.String("error", err.Error()))
+		}
+		return
+	}
+	if n := tag.RowsAffected(); n > 0 {
+		d.logger.Warn("outbox put stale processing rows back to pending", slog.Int64("rows", n))
+	}
+}
+
+func isLockTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "55P03"
+}

@@ -1,0 +1,316 @@
+package outbox
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"regexp"
+	"strings"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Limits enforced by Publish, PublishMany, outbox_publish and the table's
+// CHECK constraints.
+const (
+	// MaxTypeBytes is the longest event type.
+	MaxTypeBytes = 255
+	// MaxPayloadBytes is the largest payload, counted as the JSON text the
+	// producer passes (Go) or as Postgres prints the jsonb (SQL).
+	MaxPayloadBytes = 1 << 20
+	// MaxTenantIDBytes is the longest tenant id.
+	MaxTenantIDBytes = 128
+	// MaxDispatchKeyBytes is the longest dispatch key.
+	MaxDispatchKeyBytes = 256
+	// MaxPublishMany is the most events one PublishMany call takes.
+	MaxPublishMany = 10000
+)
+
+// typePattern is the event type rule: at least three dot-separated segments
+// of lowercase [a-z0-9] with inner single dashes. The same expression is in
+// the table's CHECK constraint and in outbox_publish.
+var typePattern = regexp.MustCompile(`^[a-z0-9]+(-[a-z0-9]+)*(\.[a-z0-9]+(-[a-z0-9]+)*){2,}$`)
+
+// Event is one outbox event as a producer publishes it.
+type Event struct {
+	// Type is <domain>.<entity>.<verb>, e.g. "billing.invoice.paid": at least
+	// three dot-separated segments of lowercase letters and digits with inner
+	// dashes ("plugin.capability-use.granted"), at most 255 bytes. Routes
+	// match it by prefix.
+	Type string
+	// Payload is the event body: valid JSON, at most MaxPayloadBytes, with no
+	// \u0000 escapes (Postgres' jsonb cannot store them). Nil means {}.
+	Payload json.RawMessage
+	// TenantID optionally names the tenant; empty means none. At most 128 bytes.
+	TenantID string
+	// DispatchKey is an optional idempotency key of the producer (for example
+	// "stripe:evt_123"). A second event with a key already stored is not
+	// written: Publish returns the first event's id and Duplicate = true.
+	// Empty means none. At most 256 bytes. Deleting a done row (retention)
+	// releases its key.
+	DispatchKey string
+}
+
+// Published is the outcome of publishing one event.
+type Published struct {
+	// ID is the event id (also the receivers' idempotency key).
+	ID int64
+	// Duplicate is true when DispatchKey was already stored: nothing was
+	// written and ID is the existing event's id.
+	Duplicate bool
+}
+
+// ErrInvalidEvent is matched (errors.Is) by every validation error.
+var ErrInvalidEvent = errors.New("invalid outbox event")
+
+// ValidationError says which field of which event broke which rule.
+type ValidationError struct {
+	// Index is the event's position in a PublishMany call (0 for Publish).
+	Index int
+	// Field is the Event field: "Type", "Payload", "TenantID" or "DispatchKey".
+	Field string
+	// Rule says what the field must be.
+	Rule string
+}
+
+func (e *ValidationError) Error() string {
+	return fmt.Sprintf("outbox: event %d: %s %s", e.Index, e.Field, e.Rule)
+}
+
+// Is makes errors.Is(err, ErrInvalidEvent) true.
+func (e *ValidationError) Is(target error) bool { return target == ErrInvalidEvent }
+
+// ValidateType checks an event type against the pattern and length rule and
+// returns a description of the rule it breaks, or nil.
+func ValidateType(t string) error {
+	switch {
+	case t == "":
+		return errors.New("is required: use <domain>.<entity>.<verb>, e.g. billing.invoice.paid")
+	case len(t) > MaxTypeBytes:
+		return fmt.Errorf("is %d bytes, the limit is %d", len(t), MaxTypeBytes)
+	case !utf8.ValidString(t) || !typePattern.MatchString(t):
+		return fmt.Errorf("%q must be at least three dot-separated segments of lowercase [a-z0-9] with inner dashes, e.g. billing.invoice.paid", truncate(t, 80))
+	}
+	return nil
+}
+
+// ValidatePayload checks a payload: valid JSON, within MaxPayloadBytes, and
+// free of \u0000 escapes.
+func ValidatePayload(p json.RawMessage) error {
+	if len(p) > MaxPayloadBytes {
+		return fmt.Errorf("is %d bytes, the limit is %d", len(p), MaxPayloadBytes)
+	}
+	if !json.Valid(p) {
+		return errors.New("is not valid JSON")
+	}
+	if hasNULEscape(p) {
+		return errors.New(`contains \u0000, which Postgres' jsonb cannot store`)
+	}
+	return nil
+}
+
+// hasNULEscape reports whether valid JSON text contains the escape \u0000
+// (a backslash that is not itself escaped, then u0000).
+func hasNULEscape(p []byte) bool {
+	for i := 0; ; {
+		j := bytes.Index(p[i:], []byte(`u0000`))
+		if j < 0 {
+			return false
+		}
+		at := i + j
+		n := 0
+		for k := at - 1; k >= 0 && p[k] == '\\'; k-- {
+			n++
+		}
+		if n%2 == 1 {
+			return true
+		}
+		i = at + 1
+	}
+}
+
+func validateEvent(i int, e *Event) error {
+	if err := ValidateType(e.Type); err != nil {
+		return &ValidationError{Index: i, Field: "Type", Rule: err.Error()}
+	}
+	if e.Payload != nil {
+		if err := ValidatePayload(e.Payload); err != nil {
+			return &ValidationError{Index: i, Field: "Payload", Rule: err.Error()}
+		}
+	}
+	if err := validateText(e.TenantID, MaxTenantIDBytes); err != nil {
+		return &ValidationError{Index: i, Field: "TenantID", Rule: err.Error()}
+	}
+	if err := validateText(e.DispatchKey, MaxDispatchKeyBytes); err != nil {
+		return &ValidationError{Index: i, Field: "DispatchKey", Rule: err.Error()}
+	}
+	return nil
+}
+
+func validateText(s string, limit int) error {
+	switch {
+	case len(s) > limit:
+		return fmt.Errorf("is %d bytes, the limit is %d", len(s), limit)
+	case strings.IndexByte(s, 0) >= 0:
+		return errors.New("contains a NUL byte")
+	case !utf8.ValidString(s):
+		return errors.New("is not valid UTF-8")
+	}
+	return nil
+}
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "…"
+}
+
+// Publish writes one event in the caller's transaction and returns its id.
+// Nothing is written when the event is invalid (the error wraps
+// ErrInvalidEvent and names the field). A duplicate DispatchKey is not an
+// error: Published.Duplicate is true and the transaction stays usable.
+// Publish never commits or rolls back tx.
+func Publish(ctx context.Context, tx pgx.Tx, event Event) (Published, error) {
+	res, err := PublishMany(ctx, tx, []Event{event})
+	if err != nil {
+		return Published{}, err
+	}
+	return res[0], nil
+}
+
+// publishManySQL inserts a batch in one statement. Ids are drawn from the
+// identity sequence up front so that each input row keeps its id whether it
+// is inserted or skipped by ON CONFLICT; the outer SELECT then maps every
+// input position to its own id or to the stored event with the same key.
+// A key stored by a transaction that commits while this statement waits is
+// invisible to the statement's snapshot; PublishMany looks those up again.
+const publishManySQL = `
+WITH input AS (
+    SELECT nextval('outbox_event_id_seq') AS id, t.ord, t.event_type, t.payload, t.tenant_id, t.dispatch_key
+    FROM unnest($1::text[], $2::jsonb[], $3::text[], $4::text[]) WITH ORDINALITY
+         AS t(event_type, payload, tenant_id, dispatch_key, ord)
+),
+ins AS (
+    INSERT INTO outbox_event (id, event_type, payload, tenant_id, dispatch_key)
+    OVERRIDING SYSTEM VALUE
+    SELECT id, event_type, payload, tenant_id, dispatch_key FROM input ORDER BY ord
+    ON CONFLICT ON CONSTRAINT outbox_event_dispatch_key_key DO NOTHING
+    RETURNING id
+)
+SELECT input.ord, ins.id IS NULL AS duplicate, COALESCE(ins.id, existing.id, 0)
+FROM input
+LEFT JOIN ins ON ins.id = input.id
+LEFT JOIN outbox_event existing ON ins.id IS NULL AND existing.dispatch_key = input.dispatch_key
+ORDER BY input.ord`
+
+const lookupKeysSQL = `SELECT dispatch_key, id FROM outbox_event WHERE dispatch_key = ANY($1::text[])`
+
+// PublishMany writes a batch of events in the caller's transaction in one
+// round trip and returns one result per event, in order. All events are
+// validated first; if any is invalid nothing is written. Duplicate dispatch
+// keys (stored earlier or repeated inside the batch) yield the first event's
+// id with Duplicate = true.
+func PublishMany(ctx context.Context, tx pgx.Tx, events []Event) ([]Published, error) {
+	if len(events) == 0 {
+		return nil, nil
+	}
+	if len(events) > MaxPublishMany {
+		return nil, fmt.Errorf("%w: PublishMany takes at most %d events, got %d; split the batch", ErrInvalidEvent, MaxPublishMany, len(events))
+	}
+	var (
+		types    = make([]string, len(events))
+		payloads = make([]string, len(events))
+		tenants  = make([]*string, len(events))
+		keys     = make([]*string, len(events))
+	)
+	for i := range events {
+		e := &events[i]
+		if err := validateEvent(i, e); err != nil {
+			return nil, err
+		}
+		types[i] = e.Type
+		if e.Payload == nil {
+			payloads[i] = "{}"
+		} else {
+			payloads[i] = string(e.Payload)
+		}
+		if e.TenantID != "" {
+			tenants[i] = &e.TenantID
+		}
+		if e.DispatchKey != "" {
+			keys[i] = &e.DispatchKey
+		}
+	}
+
+	rows, err := tx.Query(ctx, publishManySQL, types, payloads, tenants, keys)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: publish: %w", err)
+	}
+	out := make([]Published, len(events))
+	var missing []string
+	var missingAt []int
+	for rows.Next() {
+		var (
+			ord int64
+			p   Published
+		)
+		if err := rows.Scan(&ord, &p.Duplicate, &p.ID); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("outbox: publish: %w", err)
+		}
+		i := int(ord - 1)
+		out[i] = p
+		if p.ID == 0 {
+			missing = append(missing, events[i].DispatchKey)
+			missingAt = append(missingAt, i)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("outbox: publish: %w", err)
+	}
+	if len(missing) > 0 {
+		// Keys repeated inside the batch, or stored by a transaction that
+		// committed while the insert waited: visible to a new statement.
+		rows, err := tx.Query(ctx, lookupKeysSQL, missing)
+		if err != nil {
+			return nil, fmt.Errorf("outbox: publish: look up duplicate keys: %w", err)
+		}
+		byKey := map[string]int64{}
+		for rows.Next() {
+			var k string
+			var id int64
+			if err := rows.Scan(&k, &id); err != nil {
+				rows.Close()
+				return nil, fmt.Errorf("outbox: publish: %w", err)
+			}
+			byKey[k] = id
+		}
+		if err := rows.Err(); err != nil {
+			return nil, fmt.Errorf("outbox: publish: %w", err)
+		}
+		for _, i := range missingAt {
+			id, ok := byKey[events[i].DispatchKey]
+			if !ok {
+				return nil, fmt.Errorf("outbox: publish: event %d: dispatch key %q conflicted but its event is not visible", i, events[i].DispatchKey)
+			}
+			out[i].ID = id
+		}
+	}
+	return out, nil
+}
+
+// ValidateEvent checks one event as Publish would, without writing. It
+// returns the event as it would be stored (a nil payload becomes {}).
+func ValidateEvent(e Event) (Event, error) {
+	if err := validateEvent(0, &e); err != nil {
+		return e, err
+	}
+	if e.Payload == nil {
+		e.Payload = json.RawMessage("{}")
+	}
+	return e, nil
+}

@@ -1,0 +1,146 @@
+// Package config reads outboxd's and outboxctl's settings from the
+// environment with envconfig. Every variable has a documented default, and a
+// bad value is an error that names the variable.
+package config
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/kelseyhightower/envconfig"
+
+	"github.com/outboxhq/outbox/dispatcher"
+)
+
+// Config is the environment of outboxd. See docs/configuration.md.
+type Config struct {
+	DatabaseURL string `envconfig:"DATABASE_URL"`
+
+	DispatcherEnabled   bool `envconfig:"OUTBOX_DISPATCHER_ENABLED" default:"false"`
+	DispatchIntervalMS  int  `envconfig:"OUTBOX_DISPATCH_INTERVAL_MS" default:"1000"`
+	DispatchBatchSize   int  `envconfig:"OUTBOX_DISPATCH_BATCH_SIZE" default:"100"`
+	DispatchConcurrency int  `envconfig:"OUTBOX_DISPATCH_CONCURRENCY" default:"10"`
+	DispatchTimeoutMS   int  `envconfig:"OUTBOX_DISPATCH_TIMEOUT_MS" default:"30000"`
+	MaxRetries          int  `envconfig:"OUTBOX_MAX_RETRIES" default:"6"`
+
+	DoneRetentionHours     int `envconfig:"OUTBOX_DONE_RETENTION_HOURS" default:"720"`
+	DoneRetentionBatchSize int `envconfig:"OUTBOX_DONE_RETENTION_BATCH_SIZE" default:"1000"`
+
+	RoutesFile string `envconfig:"OUTBOX_ROUTES_FILE"`
+
+	ListenEnabled          bool `envconfig:"OUTBOX_LISTEN_ENABLED" default:"true"`
+	ListenReconnectDelayMS int  `envconfig:"OUTBOX_LISTEN_RECONNECT_DELAY_MS" default:"1000"`
+	ListenPingIntervalMS   int  `envconfig:"OUTBOX_LISTEN_PING_INTERVAL_MS" default:"2000"`
+
+	RiverFetchCooldownMS     int `envconfig:"OUTBOX_RIVER_FETCH_COOLDOWN_MS" default:"1"`
+	RiverFetchPollIntervalMS int `envconfig:"OUTBOX_RIVER_FETCH_POLL_INTERVAL_MS" default:"100"`
+
+	DatabaseMaxConns  int    `envconfig:"OUTBOX_DATABASE_MAX_CONNS" default:"0"`
+	ShutdownTimeoutMS int    `envconfig:"OUTBOX_SHUTDOWN_TIMEOUT_MS" default:"30000"`
+	LogFormat         string `envconfig:"OUTBOX_LOG_FORMAT" default:"text"`
+	LogLevel          string `envconfig:"OUTBOX_LOG_LEVEL" default:"info"`
+	SentryDSN         string `envconfig:"SENTRY_DSN"`
+}
+
+// Load reads the environment and validates it.
+func Load() (*Config, error) {
+	var c Config
+	if err := envconfig.Process("", &c); err != nil {
+		return nil, explain(err)
+	}
+	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	return &c, nil
+}
+
+// explain turns envconfig's error into one that leads with the variable.
+func explain(err error) error {
+	var perr *envconfig.ParseError
+	if errors.As(err, &perr) {
+		return fmt.Errorf("configuration: %s=%q is not a valid %s", perr.KeyName, perr.Value, perr.TypeName)
+	}
+	return fmt.Errorf("configuration: %w", err)
+}
+
+type intRule struct {
+	name     string
+	value    int
+	min, max int
+}
+
+// Validate checks ranges; each error names the variable.
+func (c *Config) Validate() error {
+	rules := []intRule{
+		{"OUTBOX_DISPATCH_INTERVAL_MS", c.DispatchIntervalMS, 1, 3_600_000},
+		{"OUTBOX_DISPATCH_BATCH_SIZE", c.DispatchBatchSize, 1, 10_000},
+		{"OUTBOX_DISPATCH_CONCURRENCY", c.DispatchConcurrency, 1, 1000},
+		{"OUTBOX_DISPATCH_TIMEOUT_MS", c.DispatchTimeoutMS, 100, 3_600_000},
+		{"OUTBOX_MAX_RETRIES", c.MaxRetries, 0, 1000},
+		{"OUTBOX_DONE_RETENTION_HOURS", c.DoneRetentionHours, 1, 1_000_000},
+		{"OUTBOX_LISTEN_RECONNECT_DELAY_MS", c.ListenReconnectDelayMS, 1, 600_000},
+		{"OUTBOX_LISTEN_PING_INTERVAL_MS", c.ListenPingIntervalMS, 100, 600_000},
+		{"OUTBOX_RIVER_FETCH_COOLDOWN_MS", c.RiverFetchCooldownMS, 1, 60_000},
+		{"OUTBOX_RIVER_FETCH_POLL_INTERVAL_MS", c.RiverFetchPollIntervalMS, 1, 600_000},
+		{"OUTBOX_DATABASE_MAX_CONNS", c.DatabaseMaxConns, 0, 10_000},
+		{"OUTBOX_SHUTDOWN_TIMEOUT_MS", c.ShutdownTimeoutMS, 0, 3_600_000},
+	}
+	var errs []error
+	for _, r := range rules {
+		if r.value < r.min || r.value > r.max {
+			errs = append(errs, fmt.Errorf("configuration: %s=%d is out of range: it must be between %d and %d", r.name, r.value, r.min, r.max))
+		}
+	}
+	// The batch size is clamped, not refused (the contract says 1..10000).
+	if c.DoneRetentionBatchSize < 1 {
+		c.DoneRetentionBatchSize = 1
+	} else if c.DoneRetentionBatchSize > 10000 {
+		c.DoneRetentionBatchSize = 10000
+	}
+	if c.RiverFetchPollIntervalMS < c.RiverFetchCooldownMS {
+		errs = append(errs, fmt.Errorf("configuration: OUTBOX_RIVER_FETCH_POLL_INTERVAL_MS=%d must not be shorter than OUTBOX_RIVER_FETCH_COOLDOWN_MS=%d", c.RiverFetchPollIntervalMS, c.RiverFetchCooldownMS))
+	}
+	switch c.LogFormat {
+	case "text", "json":
+	default:
+		errs = append(errs, fmt.Errorf("configuration: OUTBOX_LOG_FORMAT=%q must be text or json", c.LogFormat))
+	}
+	switch strings.ToLower(c.LogLevel) {
+	case "debug", "info", "warn", "error":
+	default:
+		errs = append(errs, fmt.Errorf("configuration: OUTBOX_LOG_LEVEL=%q must be debug, info, warn or error", c.LogLevel))
+	}
+	if c.DispatcherEnabled {
+		if c.DatabaseURL == "" {
+			errs = append(errs, errors.New("configuration: DATABASE_URL is required"))
+		}
+		if c.RoutesFile == "" {
+			errs = append(errs, errors.New("configuration: OUTBOX_ROUTES_FILE is required when OUTBOX_DISPATCHER_ENABLED=true: the dispatcher refuses to start without routes (see docs/examples/routes.yaml)"))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Dispatcher returns the dispatcher settings (without routes, alerter and
+// logger).
+func (c *Config) Dispatcher() dispatcher.Config {
+	maxRetries := c.MaxRetries
+	if maxRetries == 0 {
+		maxRetries = -1 // dispatcher.Config: negative means "none"
+	}
+	return dispatcher.Config{
+		BatchSize:          c.DispatchBatchSize,
+		Concurrency:        c.DispatchConcurrency,
+		PollInterval:       ms(c.DispatchIntervalMS),
+		ListenDisabled:     !c.ListenEnabled,
+		MaxRetries:         maxRetries,
+		BatchTimeout:       ms(c.DispatchTimeoutMS),
+		RiverFetchCooldown: ms(c.RiverFetchCooldownMS),
+		ReconnectDelay:     ms(c.ListenReconnectDelayMS),
+		PingInterval:       ms(c.ListenPingIntervalMS),
+	}
+}
+
+func ms(n int) time.Duration { return time.Duration(n) * time.Millisecond }

@@ -1,0 +1,161 @@
+// Package pgtest gives each test its own Postgres schema, migrated with the
+// outbox's and River's migrations, so that tests run in parallel against a
+// real database without seeing each other's rows.
+//
+// The database is found as the scripts find it: TEST_DATABASE_URL, else
+// DATABASE_URL, else postgres://postgres@127.0.0.1:5432/postgres. The
+// Makefile's test target starts a throwaway cluster and exports
+// TEST_DATABASE_URL when nothing listens there.
+package pgtest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	outboxsql "github.com/outboxhq/outbox/sql"
+)
+
+// URL returns the connection string tests use.
+func URL() string {
+	for _, k := range []string{"TEST_DATABASE_URL", "DATABASE_URL"} {
+		if v := os.Getenv(k); v != "" {
+			return v
+		}
+	}
+	return "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+}
+
+var (
+	adminOnce sync.Once
+	adminPool *pgxpool.Pool
+	adminErr  error
+)
+
+// Admin returns a pool on the test database without a schema of its own,
+// shared by all tests in the package.
+func Admin(tb testing.TB) *pgxpool.Pool {
+	tb.Helper()
+	adminOnce.Do(func() {
+		cfg, err := pgxpool.ParseConfig(URL())
+		if err != nil {
+			adminErr = err
+			return
+		}
+		cfg.MaxConns = 4
+		adminPool, adminErr = pgxpool.NewWithConfig(context.Background(), cfg)
+		if adminErr == nil {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			adminErr = adminPool.Ping(ctx)
+		}
+	})
+	if adminErr != nil {
+		tb.Fatalf("pgtest: no test database at %s: %v (set TEST_DATABASE_URL, or run `make test`, which starts one)", Redact(URL()), adminErr)
+	}
+	return adminPool
+}
+
+// Redact hides the password of a connection string.
+func Redact(url string) string {
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil || cfg.Password == "" {
+		return url
+	}
+	return strings.ReplaceAll(url, cfg.Password, "xxxxx")
+}
+
+// Schema is one test's isolated, migrated schema.
+type Schema struct {
+	Name string
+	// Pool has search_path set to the schema.
+	Pool *pgxpool.Pool
+	// URL connects with search_path set to the schema (for subprocesses).
+	URL string
+}
+
+// Options tune NewSchema.
+type Options struct {
+	// MaxConns of the schema's pool; 0 means 10.
+	MaxConns int32
+	// NoMigrate leaves the schema empty.
+	NoMigrate bool
+}
+
+// NewSchema creates a fresh schema named after a random suffix, migrates it
+// and drops it when the test ends.
+func NewSchema(tb testing.TB, opts *Options) *Schema {
+	tb.Helper()
+	if opts == nil {
+		opts = &Options{}
+	}
+	admin := Admin(tb)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	name := "t_" + hex.EncodeToString(b[:])
+	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+name); err != nil {
+		tb.Fatalf("pgtest: create schema: %v", err)
+	}
+
+	url := WithSearchPath(URL(), name)
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		tb.Fatalf("pgtest: %v", err)
+	}
+	cfg.MaxConns = opts.MaxConns
+	if cfg.MaxConns == 0 {
+		cfg.MaxConns = 10
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		tb.Fatalf("pgtest: %v", err)
+	}
+	tb.Cleanup(func() {
+		pool.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		// Terminate leftovers (a subprocess, a listener) before dropping.
+		_, _ = admin.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+			WHERE pid <> pg_backend_pid() AND datname = current_database()
+			AND query_start IS NOT NULL AND application_name = $1`, name)
+		if _, err := admin.Exec(ctx, "DROP SCHEMA "+name+" CASCADE"); err != nil {
+			tb.Logf("pgtest: drop schema %s: %v", name, err)
+		}
+	})
+	if !opts.NoMigrate {
+		if _, err := outboxsql.Migrate(ctx, pool, nil); err != nil {
+			tb.Fatalf("pgtest: migrate %s: %v", name, err)
+		}
+	}
+	return &Schema{Name: name, Pool: pool, URL: url}
+}
+
+// WithSearchPath returns url with search_path (and application_name) set.
+func WithSearchPath(url, schema string) string {
+	if !strings.HasPrefix(url, "postgres://") && !strings.HasPrefix(url, "postgresql://") {
+		return url + " search_path=" + schema + " application_name=" + schema
+	}
+	sep := "?"
+	if strings.Contains(url, "?") {
+		sep = "&"
+	}
+	return url + sep + "search_path=" + schema + "&application_name=" + schema
+}
+
+// Context returns a context cancelled after d or when the test ends.
+func Context(tb testing.TB, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	tb.Cleanup(cancel)
+	return ctx
+}

@@ -1,0 +1,68 @@
+package outboxriver
+
+import (
+	"encoding/json"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+)
+
+// Kind is the River job kind of every outbox job.
+const Kind = "outbox_event"
+
+// EventArgs are the args of the River job created for one (event, queue).
+// The JSON field names are part of the contract.
+type EventArgs struct {
+	// EventID is the outbox event id, also the receivers' idempotency key.
+	EventID int64 `json:"event_id"`
+	// EventType is the event's type, e.g. "billing.invoice.paid".
+	EventType string `json:"event_type"`
+	// TenantID is the tenant, or nil.
+	TenantID *string `json:"tenant_id"`
+	// Payload is the event body as published.
+	Payload json.RawMessage `json:"payload"`
+	// DispatchKey is the producer's idempotency key, or nil.
+	DispatchKey *string `json:"dispatch_key"`
+	// CreatedAt is when the event was written (the database's clock).
+	CreatedAt time.Time `json:"created_at"`
+}
+
+// Kind implements river.JobArgs.
+func (EventArgs) Kind() string { return Kind }
+
+// Latency settings shared by the dispatcher's insert-only client and by the
+// workers. River debounces its insert NOTIFY per client by FetchCooldown
+// (default 100 ms) and sends no trailing notify, so a second insert inside
+// the window waits for the worker's poll: with River's defaults an event that
+// reaches River in a millisecond can wait 100 ms to 1 s more to be worked.
+const (
+	// DefaultFetchCooldown is the outbox's default for both clients.
+	DefaultFetchCooldown = 1 * time.Millisecond
+	// DefaultFetchPollInterval is the outbox's default worker poll fallback.
+	DefaultFetchPollInterval = 100 * time.Millisecond
+)
+
+// InsertClientConfig configures NewInsertClient.
+type InsertClientConfig struct {
+	// FetchCooldown is the insert NOTIFY debounce of the inserting client.
+	// 0 means DefaultFetchCooldown. River's minimum is 1 ms.
+	FetchCooldown time.Duration
+}
+
+// NewInsertClient returns an insert-only River client (no queues, no
+// workers) for the dispatcher. Its jobs are worked by other clients, so it
+// skips River's check that a worker is registered for the kind.
+func NewInsertClient(pool *pgxpool.Pool, cfg InsertClientConfig) (*river.Client[pgx.Tx], error) {
+	cooldown := cfg.FetchCooldown
+	if cooldown == 0 {
+		cooldown = DefaultFetchCooldown
+	}
+	return river.NewClient(riverpgxv5.New(pool), &river.Config{
+		FetchCooldown:       cooldown,
+		FetchPollInterval:   max(cooldown, DefaultFetchPollInterval),
+		SkipUnknownJobCheck: true,
+	})
+}

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# with-postgres.sh COMMAND...: run COMMAND with TEST_DATABASE_URL and
+# DATABASE_URL pointing at a Postgres that accepts connections.
+#
+# Discovery, in order:
+#   1. TEST_DATABASE_URL or DATABASE_URL, when set;
+#   2. postgres://postgres@127.0.0.1:5432/postgres, when it answers;
+#   3. a throwaway cluster started from the installed server binaries (initdb,
+#      postgres; apt-get installs postgresql when they are missing), run as the
+#      postgres user on a free port in a temporary directory, and removed when
+#      COMMAND exits.
+set -euo pipefail
+
+log() { echo "with-postgres: $*" >&2; }
+
+url="${TEST_DATABASE_URL:-${DATABASE_URL:-}}"
+cleanup() { :; }
+
+can_connect() {
+	if command -v psql >/dev/null 2>&1; then
+		psql "$1" -Atqc 'select 1' >/dev/null 2>&1
+	elif command -v pg_isready >/dev/null 2>&1; then
+		pg_isready -q -d "$1"
+	else
+		# No client tools: try the TCP port.
+		(exec 3<>/dev/tcp/127.0.0.1/5432) 2>/dev/null
+	fi
+}
+
+find_bin() {
+	local name=$1
+	if command -v "$name" >/dev/null 2>&1; then command -v "$name"; return; fi
+	local cand
+	cand=$(ls -d /usr/lib/postgresql/*/bin/"$name" 2>/dev/null | sort -V | tail -1 || true)
+	[ -n "$cand" ] && echo "$cand"
+}
+
+start_throwaway() {
+	local initdb pgctl
+	initdb=$(find_bin initdb || true)
+	if [ -z "$initdb" ]; then
+		log "no Postgres server binaries; installing postgresql with apt-get"
+		export DEBIAN_FRONTEND=noninteractive
+		apt-get update -qq >&2 && apt-get install -y -qq postgresql >&2
+		initdb=$(find_bin initdb)
+	fi
+	pgctl=$(dirname "$initdb")/pg_ctl
+	local dir port
+	dir=$(mktemp -d /tmp/outbox-pg.XXXXXX)
+	port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null || echo 55432)
+	local run=()
+	if [ "$(id -u)" = 0 ]; then
+		id postgres >/dev/null 2>&1 || useradd --system --home "$dir" postgres
+		chown postgres "$dir"
+		run=(runuser -u postgres --)
+	fi
+	log "starting a throwaway Postgres in $dir on port $port"
+	"${run[@]}" "$initdb" -D "$dir/data" -U postgres -A trust --no-sync >"$dir/initdb.log" 2>&1 || { cat "$dir/initdb.log" >&2; exit 1; }
+	"${run[@]}" "$pgctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
+		-o "-c listen_addresses=127.0.0.1 -p $port -k $dir -c max_connections=300 -c fsync=off -c synchronous_commit=off -c full_page_writes=off" start >&2 \
+		|| { cat "$dir/server.log" >&2; exit 1; }
+	url="postgres://postgres@127.0.0.1:$port/postgres?sslmode=disable"
+	cleanup() {
+		log "stopping the throwaway Postgres"
+		"${run[@]}" "$pgctl" -D "$dir/data" -m immediate stop >/dev/null 2>&1 || true
+		rm -rf "$dir"
+	}
+}
+
+if [ -z "$url" ]; then
+	if can_connect "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"; then
+		url="postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+	else
+		start_throwaway
+	fi
+fi
+trap cleanup EXIT
+export TEST_DATABASE_URL="$url" DATABASE_URL="$url"
+"$@"
