@@ -1,0 +1,248 @@
+package claim_test
+
+import (
+	"context"
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/alert"
+	"github.com/outboxhq/outbox/claim"
+	"github.com/outboxhq/outbox/internal/pgtest"
+	outboxriver "github.com/outboxhq/outbox/river"
+	"github.com/outboxhq/outbox/route"
+)
+
+func newHandoff(t *testing.T, pool *pgxpool.Pool, maxRetries int, al alert.Alerter) *claim.Handoff {
+	t.Helper()
+	routes, err := route.New([]route.Rule{
+		{Prefix: "mail.", Queues: []string{"outbox_mail"}},
+		{Prefix: "poison.", Queues: []string{"outbox_poison"}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rc, err := outboxriver.NewInsertClient(pool, outboxriver.InsertClientConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &claim.Handoff{Pool: pool, River: rc, Routes: routes, MaxRetries: maxRetries, Alerter: al}
+}
+
+// poisonRiver makes River's insert fail for events whose type starts with
+// poison.: a real database error inside the batch transaction.
+func poisonRiver(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	_, err := pool.Exec(context.Background(), `
+		CREATE FUNCTION reject_poison() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			IF NEW.args->>'event_type' LIKE 'poison.%' THEN
+				RAISE EXCEPTION 'receiver rejects %', NEW.args->>'event_type';
+			END IF;
+			RETURN NEW;
+		END $$;
+		CREATE TRIGGER reject_poison BEFORE INSERT ON river_job FOR EACH ROW EXECUTE FUNCTION reject_poison();`)
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+func publish(t *testing.T, pool *pgxpool.Pool, types ...string) []int64 {
+	t.Helper()
+	evs := make([]outbox.Event, len(types))
+	for i, typ := range types {
+		evs[i] = outbox.Event{Type: typ, Payload: json.RawMessage(`{}`)}
+	}
+	var ids []int64
+	err := pgx.BeginFunc(context.Background(), pool, func(tx pgx.Tx) error {
+		res, err := outbox.PublishMany(context.Background(), tx, evs)
+		for _, r := range res {
+			ids = append(ids, r.ID)
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ids
+}
+
+type row struct {
+	status    string
+	retries   int
+	lastError string
+	delay     time.Duration // scheduled_at - now()
+	jobs      int
+}
+
+func get(t *testing.T, pool *pgxpool.Pool, id int64) row {
+	t.Helper()
+	var r row
+	var lastErr *string
+	var delayMS float64
+	err := pool.QueryRow(context.Background(), `
+		SELECT status::text, retries, last_error, extract(epoch FROM scheduled_at - now()) * 1000,
+		       (SELECT count(*) FROM river_job WHERE (args->>'event_id')::bigint = e.id)
+		FROM outbox_event e WHERE id = $1`, id).Scan(&r.status, &r.retries, &lastErr, &delayMS, &r.jobs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lastErr != nil {
+		r.lastError = *lastErr
+	}
+	r.delay = time.Duration(delayMS) * time.Millisecond
+	return r
+}
+
+func TestPoisonIsolatedInsideBatch(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	poisonRiver(t, s.Pool)
+	h := newHandoff(t, s.Pool, 6, nil)
+	ids := publish(t, s.Pool, "mail.a.b", "mail.a.b", "poison.a.b", "mail.a.b", "mail.a.b")
+	res, err := h.Batch(context.Background(), 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !res.Fallback || res.Claimed != 5 || res.Done != 4 || res.Retried != 1 || res.Jobs != 4 {
+		t.Fatalf("result = %+v", res)
+	}
+	for i, id := range ids {
+		r := get(t, s.Pool, id)
+		if i == 2 {
+			if r.status != "pending" || r.retries != 1 || r.jobs != 0 || !strings.Contains(r.lastError, "receiver rejects poison.a.b") {
+				t.Fatalf("poison event = %+v", r)
+			}
+			if r.delay < 50*time.Second || r.delay > 70*time.Second {
+				t.Fatalf("poison event rescheduled in %s, want about 1 minute", r.delay)
+			}
+			continue
+		}
+		if r.status != "done" || r.jobs != 1 {
+			t.Fatalf("event %d = %+v, want done with one job", id, r)
+		}
+	}
+}
+
+func TestBackoffScheduleAndDeadLetter(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	poisonRiver(t, s.Pool)
+	var got []alert.Alert
+	h := newHandoff(t, s.Pool, 6, alert.Func(func(_ context.Context, a alert.Alert) { got = append(got, a) }))
+	id := publish(t, s.Pool, "poison.always.fails")[0]
+	ctx := context.Background()
+	wantMinutes := []int{1, 2, 4, 8, 16, 32}
+	for attempt := 1; attempt <= 7; attempt++ {
+		res, err := h.Batch(ctx, 10)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r := get(t, s.Pool, id)
+		if r.retries != attempt {
+			t.Fatalf("attempt %d: retries = %d", attempt, r.retries)
+		}
+		if attempt <= 6 {
+			want := time.Duration(wantMinutes[attempt-1]) * time.Minute
+			if r.status != "pending" || r.delay < want-10*time.Second || r.delay > want+10*time.Second {
+				t.Fatalf("attempt %d: %+v, want pending in %s", attempt, r, want)
+			}
+			if claim.Backoff(attempt) != want {
+				t.Fatalf("Backoff(%d) = %s, want %s", attempt, claim.Backoff(attempt), want)
+			}
+			if res.Retried != 1 {
+				t.Fatalf("attempt %d: result %+v", attempt, res)
+			}
+			// Not claimable before its time.
+			if res2, err := h.Batch(ctx, 10); err != nil || res2.Claimed != 0 {
+				t.Fatalf("claimed before scheduled_at: %+v %v", res2, err)
+			}
+			if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET scheduled_at = now() WHERE id = $1`, id); err != nil {
+				t.Fatal(err)
+			}
+			continue
+		}
+		if r.status != "failed" || res.DeadLettered != 1 || r.jobs != 0 {
+			t.Fatalf("attempt %d: %+v / %+v, want failed (dead letter)", attempt, r, res)
+		}
+	}
+	if len(got) != 1 || got[0].Reason != alert.DeadLetter || got[0].EventID != id || got[0].Retries != 7 || !strings.Contains(got[0].Err, "receiver rejects") {
+		t.Fatalf("alerts = %+v, want one dead-letter alert", got)
+	}
+}
+
+func TestFailedTransactionLeavesNoJobs(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := context.Background()
+	// Fail the final step (marking done) after River's insert succeeded.
+	_, err := s.Pool.Exec(ctx, `
+		CREATE FUNCTION fail_done() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			IF NEW.status = 'done' THEN RAISE EXCEPTION 'disk on fire'; END IF;
+			RETURN NEW;
+		END $$;
+		CREATE TRIGGER fail_done BEFORE UPDATE ON outbox_event FOR EACH ROW EXECUTE FUNCTION fail_done();`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := newHandoff(t, s.Pool, 6, nil)
+	ids := publish(t, s.Pool, "mail.a.b", "mail.a.c", "mail.a.d")
+	if _, err := h.Batch(ctx, 100); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range ids {
+		r := get(t, s.Pool, id)
+		if r.status != "pending" || r.jobs != 0 || r.retries != 1 || !strings.Contains(r.lastError, "disk on fire") {
+			t.Fatalf("event %d = %+v, want pending, no jobs, one failed attempt", id, r)
+		}
+	}
+	var jobs int
+	if err := s.Pool.QueryRow(ctx, `SELECT count(*) FROM river_job`).Scan(&jobs); err != nil {
+		t.Fatal(err)
+	}
+	if jobs != 0 {
+		t.Fatalf("%d River jobs left behind by a rolled-back batch", jobs)
+	}
+}
+
+func TestCancelledBatchLeavesEventsPending(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := context.Background()
+	// Make the River insert slow, then cancel the batch while it waits.
+	_, err := s.Pool.Exec(ctx, `
+		CREATE FUNCTION slow_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN PERFORM pg_sleep(5); RETURN NEW; END $$;
+		CREATE TRIGGER slow_insert BEFORE INSERT ON river_job FOR EACH ROW EXECUTE FUNCTION slow_insert();`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := newHandoff(t, s.Pool, 6, nil)
+	ids := publish(t, s.Pool, "mail.a.b", "mail.a.c")
+	bctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	if _, err := h.Batch(bctx, 100); err == nil {
+		t.Fatal("batch succeeded despite the timeout")
+	}
+	for _, id := range ids {
+		if r := get(t, s.Pool, id); r.status != "pending" || r.retries != 0 || r.jobs != 0 {
+			t.Fatalf("event %d = %+v, want untouched pending", id, r)
+		}
+	}
+}
+
+func TestBackoffFunction(t *testing.T) {
+	t.Parallel()
+	want := []time.Duration{time.Minute, 2 * time.Minute, 4 * time.Minute, 8 * time.Minute, 16 * time.Minute, 32 * time.Minute, 32 * time.Minute}
+	for i, w := range want {
+		if got := claim.Backoff(i + 1); got != w {
+			t.Errorf("Backoff(%d) = %s, want %s", i+1, got, w)
+		}
+	}
+}
