@@ -1,0 +1,43 @@
+package outboxriver
+
+import (
+	"time"
+
+	"github.com/riverqueue/river"
+)
+
+// WorkerLatency are the fetch settings of a River client that works outbox
+// queues. Zero values take the outbox's defaults (DefaultFetchCooldown,
+// DefaultFetchPollInterval), not River's (100 ms and 1 s), which would add
+// up to a second between the handoff and the worker.
+type WorkerLatency struct {
+	FetchCooldown     time.Duration
+	FetchPollInterval time.Duration
+}
+
+func (l WorkerLatency) withDefaults() WorkerLatency {
+	if l.FetchCooldown == 0 {
+		l.FetchCooldown = DefaultFetchCooldown
+	}
+	if l.FetchPollInterval == 0 {
+		l.FetchPollInterval = max(DefaultFetchPollInterval, l.FetchCooldown)
+	}
+	return l
+}
+
+// WorkerConfig returns a River client config that works the given queues
+// (name → MaxWorkers) with workers, using the outbox's latency defaults.
+// Callers may set further fields before river.NewClient.
+func WorkerConfig(workers *river.Workers, queues map[string]int, lat WorkerLatency) *river.Config {
+	lat = lat.withDefaults()
+	qs := make(map[string]river.QueueConfig, len(queues))
+	for name, n := range queues {
+		qs[name] = river.QueueConfig{MaxWorkers: n}
+	}
+	return &river.Config{
+		FetchCooldown:     lat.FetchCooldown,
+		FetchPollInterval: lat.FetchPollInterval,
+		Queues:            qs,
+		Workers:           workers,
+	}
+}
