@@ -65,6 +65,7 @@ type Listener struct {
 	wake  chan struct{}
 
 	connected  atomic.Bool
+	stopping   atomic.Bool
 	lastPong   atomic.Int64 // unix nanos
 	reconnects atomic.Int64
 
@@ -122,7 +123,7 @@ func (l *Listener) setConnected(v bool) {
 	if v {
 		l.reconnects.Add(1)
 		l.cfg.Logger.Info("outbox listener connected", slog.String("channel", Channel))
-	} else {
+	} else if !l.stopping.Load() {
 		l.cfg.Logger.Warn("outbox listener disconnected; falling back to polling until it reconnects")
 	}
 	if l.cfg.OnStateChange != nil {
@@ -156,6 +157,7 @@ func (l *Listener) Stop() {
 	if cancel == nil {
 		return
 	}
+	l.stopping.Store(true)
 	cancel()
 	<-done
 	l.connected.Store(false)
