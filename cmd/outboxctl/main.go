@@ -93,11 +93,17 @@ func main() {
 	os.Exit(Main(os.Args[1:], os.Stdout, os.Stderr))
 }
 
-// Main runs outboxctl with args and returns the exit status.
+// Main runs outboxctl with args and DATABASE_URL from the environment and
+// returns the exit status.
 func Main(args []string, stdout, stderr io.Writer) int {
+	return run(args, os.Getenv("DATABASE_URL"), stdout, stderr)
+}
+
+// run is Main with the database URL given, so tests can run in parallel.
+func run(args []string, dbURL string, stdout, stderr io.Writer) int {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
-	c := &cli{stdout: stdout, stderr: stderr, dbURL: os.Getenv("DATABASE_URL")}
+	c := &cli{stdout: stdout, stderr: stderr, dbURL: dbURL}
 	defer func() {
 		if c.pool != nil {
 			c.pool.Close()
