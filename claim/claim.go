@@ -245,7 +245,7 @@ func (h *Handoff) One(ctx context.Context, id int64, batchErr error) (Result, er
 	}
 	_ = tx.Rollback(ctx)
 	if batchErr != nil && !errors.Is(err, batchErr) {
-		err = fmt.Errorf("%w (batch: %v)", err, batchErr)
+		err = fmt.Errorf("%w (batch: %w)", err, batchErr)
 	}
 	failed, err := h.recordFailure(ctx, events[0], err)
 	if err != nil {

@@ -3,6 +3,7 @@ package main_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -73,7 +74,8 @@ func waitExit(t *testing.T, cmd *exec.Cmd, d time.Duration) int {
 		if err == nil {
 			return 0
 		}
-		if ee, ok := err.(*exec.ExitError); ok {
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
 			return ee.ExitCode()
 		}
 		t.Fatal(err)
