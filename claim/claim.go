@@ -14,10 +14,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"time"
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 
@@ -193,8 +196,13 @@ func (h *Handoff) Batch(ctx context.Context, limit int) (Result, error) {
 		if ctx.Err() != nil {
 			return res, err
 		}
-		// Poison isolation: retry each event alone.
 		_ = tx.Rollback(ctx)
+		if IsTransient(err) {
+			// The database, not an event, is at fault: charge no event a
+			// retry; the events stay pending and the loop backs off.
+			return res, err
+		}
+		// Poison isolation: retry each event alone.
 		res.Fallback = true
 		for _, e := range events {
 			one, oneErr := h.One(ctx, e.ID, err)
@@ -240,7 +248,7 @@ func (h *Handoff) One(ctx context.Context, id int64, batchErr error) (Result, er
 		h.alertUnroutable(ctx, unroutable)
 		return res, nil
 	}
-	if ctx.Err() != nil {
+	if ctx.Err() != nil || IsTransient(err) {
 		return res, err
 	}
 	_ = tx.Rollback(ctx)
@@ -384,6 +392,39 @@ func (h *Handoff) recordFailure(ctx context.Context, e Event, cause error) (bool
 		})
 	}
 	return true, nil
+}
+
+// IsTransient reports whether err says the database or the connection is
+// at fault rather than the event: connection loss, a cancelled or timed-out
+// statement, a lock or serialization conflict, resource exhaustion, the
+// server shutting down. Such failures are not charged to the events.
+func IsTransient(err error) bool {
+	if err == nil {
+		return false
+	}
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) || pgconn.SafeToRetry(err) || pgconn.Timeout(err) {
+		return true
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch pgErr.Code[:2] {
+		case "08", // connection exception
+			"40", // transaction rollback: serialization failure, deadlock
+			"53", // insufficient resources
+			"57", // operator intervention: query_canceled (statement_timeout), admin shutdown
+			"58": // system error
+			return true
+		}
+		return pgErr.Code == "55P03" // lock_not_available (lock_timeout)
+	}
+	// Not a server error: the connection broke (EOF, reset) mid-batch.
+	var connErr *pgconn.ConnectError
+	return errors.As(err, &connErr) || isNetError(err)
+}
+
+func isNetError(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF)
 }
 
 func deref(s *string) string {

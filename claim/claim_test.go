@@ -3,6 +3,7 @@ package claim_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -244,5 +245,53 @@ func TestBackoffFunction(t *testing.T) {
 		if got := claim.Backoff(i + 1); got != w {
 			t.Errorf("Backoff(%d) = %s, want %s", i+1, got, w)
 		}
+	}
+}
+
+// TestTransientFailureChargesNoRetry: a lock wait that times out inside the
+// batch is the database's fault, not the events': they stay pending,
+// untouched.
+func TestTransientFailureChargesNoRetry(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := context.Background()
+	key := time.Now().UnixNano() % 1_000_000_000
+	_, err := s.Pool.Exec(ctx, fmt.Sprintf(`
+		CREATE FUNCTION locked_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			SET LOCAL lock_timeout = '50ms';
+			PERFORM pg_advisory_xact_lock(%d);
+			RETURN NEW;
+		END $$;
+		CREATE TRIGGER locked_insert BEFORE INSERT ON river_job FOR EACH ROW EXECUTE FUNCTION locked_insert();`, key))
+	if err != nil {
+		t.Fatal(err)
+	}
+	holder, err := s.Pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := holder.Exec(ctx, `SELECT pg_advisory_lock($1)`, key); err != nil {
+		t.Fatal(err)
+	}
+	h := newHandoff(t, s.Pool, 6, nil)
+	ids := publish(t, s.Pool, "mail.a.b", "mail.a.c")
+	_, err = h.Batch(ctx, 100)
+	if err == nil || !claim.IsTransient(err) {
+		t.Fatalf("err = %v, want a transient error", err)
+	}
+	for _, id := range ids {
+		if r := get(t, s.Pool, id); r.status != "pending" || r.retries != 0 || r.jobs != 0 {
+			t.Fatalf("event %d = %+v, want pending with no retry charged", id, r)
+		}
+	}
+	// Once the lock is free, the same events go through.
+	if _, err := holder.Exec(ctx, `SELECT pg_advisory_unlock($1)`, key); err != nil {
+		t.Fatal(err)
+	}
+	holder.Release()
+	res, err := h.Batch(ctx, 100)
+	if err != nil || res.Done != 2 {
+		t.Fatalf("after recovery: %+v %v", res, err)
 	}
 }
