@@ -31,3 +31,11 @@ lint: ## gofmt, go vet and golangci-lint (.golangci.yml)
 	@test -z "$$(gofmt -l . | tee /dev/stderr)" || (echo "gofmt: files above need formatting" >&2; exit 1)
 	$(GO) vet ./...
 	@if [ -x "$(GOLANGCI)" ]; then $(GOLANGCI) run ./...; else echo "golangci-lint not installed: go install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v2.15.0"; fi
+
+.PHONY: bench
+bench: ## the full benchmark suite (about five minutes): table on stdout, JSON and plots in bench/results/
+	$(WITH_PG) $(GO) -C bench run . $(BENCHFLAGS)
+
+.PHONY: bench-quick
+bench-quick: ## the benchmark suite in quick mode (under a minute, CI: keeps it working, asserts no figures)
+	$(WITH_PG) $(GO) -C bench run . -quick $(BENCHFLAGS)

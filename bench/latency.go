@@ -1,0 +1,322 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+
+	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/claim"
+	"github.com/outboxhq/outbox/dispatcher"
+	outboxriver "github.com/outboxhq/outbox/river"
+)
+
+// Latency modes.
+const (
+	modeNotify      = "notify"
+	modePoll        = "poll"
+	modeRiverDirect = "river-direct"
+)
+
+// LatencyResult is one mode of the latency scenario.
+type LatencyResult struct {
+	Mode      string        `json:"mode"`
+	Rate      int           `json:"rate"`
+	Duration  string        `json:"duration"`
+	Events    int           `json:"events"`
+	Published int           `json:"published"`
+	Worked    int           `json:"worked"`
+	Handoff   *Summary      `json:"handoff,omitempty"`
+	EndToEnd  *Summary      `json:"end_to_end"`
+	Commit    *Summary      `json:"producer_commit"`
+	Clamped   int           `json:"clamped_negative"`
+	Stats     *dispatchStat `json:"dispatcher,omitempty"`
+}
+
+type dispatchStat struct {
+	Batches int64 `json:"batches"`
+	Events  int64 `json:"events"`
+	Wakes   int64 `json:"wakes"`
+	Polls   int64 `json:"polls"`
+	Errors  int64 `json:"errors"`
+}
+
+// clocks holds every event's clock reads, all taken in this process with
+// time.Now (monotonic): right after the producer's Commit returned, right
+// after the dispatcher's batch committed (OnBatch), and when the River
+// worker's Work began. The first read of each kind wins.
+type clocks struct {
+	mu                    sync.Mutex
+	commit, handoff, work map[int64]time.Time
+	worked                atomic.Int64
+}
+
+func newClocks() *clocks {
+	return &clocks{commit: map[int64]time.Time{}, handoff: map[int64]time.Time{}, work: map[int64]time.Time{}}
+}
+
+func (c *clocks) mark(m map[int64]time.Time, t time.Time, ids ...int64) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n := 0
+	for _, id := range ids {
+		if _, ok := m[id]; !ok {
+			m[id] = t
+			n++
+		}
+	}
+	return n
+}
+
+// benchWorker marks when River starts working an outbox job.
+type benchWorker struct {
+	river.WorkerDefaults[outboxriver.EventArgs]
+	c *clocks
+}
+
+func (w *benchWorker) Work(_ context.Context, job *river.Job[outboxriver.EventArgs]) error {
+	now := time.Now()
+	if w.c.mark(w.c.work, now, job.Args.EventID) > 0 {
+		w.c.worked.Add(1)
+	}
+	return nil
+}
+
+func runLatency(ctx context.Context, e *env, o *Options) ([]LatencyResult, error) {
+	var out []LatencyResult
+	for _, mode := range []string{modeNotify, modePoll, modeRiverDirect} {
+		logf("latency %s: %d ev/s for %s", mode, o.Rate, o.Duration)
+		r, err := latencyMode(ctx, e, o, mode)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", mode, err)
+		}
+		logf("latency %s: %s", mode, r.line())
+		out = append(out, r)
+	}
+	return out, nil
+}
+
+func (r LatencyResult) line() string {
+	s := ""
+	if r.Handoff != nil {
+		s += fmt.Sprintf("handoff p50 %.2f ms p99 %.2f ms; ", r.Handoff.P50, r.Handoff.P99)
+	}
+	if r.EndToEnd != nil {
+		s += fmt.Sprintf("end-to-end p50 %.2f ms p99 %.2f ms", r.EndToEnd.P50, r.EndToEnd.P99)
+	}
+	return s
+}
+
+// workerClient starts a River client working benchQueue with w, configured
+// as the outbox recommends (outboxriver.WorkerConfig: 1 ms FetchCooldown).
+func workerClient(ctx context.Context, e *env, p *pgxpool.Pool, c *clocks) (*river.Client[pgx.Tx], error) {
+	workers := river.NewWorkers()
+	river.AddWorker(workers, &benchWorker{c: c})
+	cfg := outboxriver.WorkerConfig(workers, map[string]int{benchQueue: 50}, outboxriver.WorkerLatency{})
+	cfg.Logger = e.quiet
+	rc, err := river.NewClient(riverpgxv5.New(p), cfg)
+	if err != nil {
+		return nil, err
+	}
+	if err := rc.Start(ctx); err != nil {
+		return nil, err
+	}
+	return rc, nil
+}
+
+func latencyMode(ctx context.Context, e *env, o *Options, mode string) (LatencyResult, error) {
+	res := LatencyResult{Mode: mode, Rate: o.Rate, Duration: o.Duration.String()}
+	schema := map[string]string{modeNotify: "lat_notify", modePoll: "lat_poll", modeRiverDirect: "lat_river"}[mode]
+	p, err := e.migrated(ctx, schema, 24)
+	if err != nil {
+		return res, err
+	}
+	defer p.Close()
+	wp, err := e.pool(ctx, schema, 12, "bench-workers")
+	if err != nil {
+		return res, err
+	}
+	defer wp.Close()
+
+	c := newClocks()
+	rc, err := workerClient(ctx, e, wp, c)
+	if err != nil {
+		return res, fmt.Errorf("River workers: %w", err)
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		defer cancel()
+		_ = rc.Stop(sctx)
+	}()
+
+	var (
+		d        *dispatcher.Dispatcher
+		insertRC *river.Client[pgx.Tx]
+	)
+	switch mode {
+	case modeNotify, modePoll:
+		d, err = dispatcher.New(p, dispatcher.Config{
+			Routes:         e.routes,
+			ListenDisabled: mode == modePoll,
+			PollInterval:   time.Second,
+			Logger:         e.quiet,
+			OnBatch: func(r claim.Result) {
+				c.mark(c.handoff, time.Now(), r.IDs...)
+			},
+		})
+		if err != nil {
+			return res, err
+		}
+		if err := d.Start(ctx); err != nil {
+			return res, err
+		}
+		defer func() {
+			sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+			defer cancel()
+			_ = d.Stop(sctx)
+		}()
+		if mode == modeNotify {
+			if err := waitWakeLock(ctx, p, 10*time.Second); err != nil {
+				return res, err
+			}
+		}
+	case modeRiverDirect:
+		insertRC, err = outboxriver.NewInsertClient(p, outboxriver.InsertClientConfig{})
+		if err != nil {
+			return res, err
+		}
+	}
+	// Let the worker client's listener and producers settle.
+	time.Sleep(300 * time.Millisecond)
+
+	// Open-loop producer: event i is due at start + i/rate, whatever the
+	// previous commits took; a few goroutines run the transactions.
+	total := int(float64(o.Rate) * o.Duration.Seconds())
+	res.Events = total
+	due := make(chan int, total)
+	var (
+		wg        sync.WaitGroup
+		seq       atomic.Int64
+		published atomic.Int64
+		prodErr   atomic.Value
+		commitH   = newHist()
+		commitMu  sync.Mutex
+	)
+	payload := json.RawMessage(`{"order_id":12345,"amount_cents":4200,"currency":"EUR","note":"bench"}`)
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range due {
+				begin := time.Now()
+				id, err := produceOne(ctx, p, mode, insertRC, payload, &seq)
+				now := time.Now()
+				if err != nil {
+					prodErr.Store(err)
+					continue
+				}
+				c.mark(c.commit, now, id)
+				published.Add(1)
+				commitMu.Lock()
+				record(commitH, now.Sub(begin))
+				commitMu.Unlock()
+			}
+		}()
+	}
+	interval := time.Second / time.Duration(o.Rate)
+	start := time.Now()
+	for i := range total {
+		if wait := time.Until(start.Add(time.Duration(i) * interval)); wait > 0 {
+			select {
+			case <-ctx.Done():
+				close(due)
+				wg.Wait()
+				return res, ctx.Err()
+			case <-time.After(wait):
+			}
+		}
+		due <- i
+	}
+	close(due)
+	wg.Wait()
+	if err, _ := prodErr.Load().(error); err != nil {
+		return res, fmt.Errorf("producer: %w", err)
+	}
+	res.Published = int(published.Load())
+
+	// Wait for the workers to start every job (poll mode needs up to a
+	// poll interval more).
+	deadline := time.Now().Add(30 * time.Second)
+	for c.worked.Load() < int64(res.Published) && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	res.Worked = int(c.worked.Load())
+	if res.Worked < res.Published {
+		return res, fmt.Errorf("only %d of %d jobs were worked within 30 s", res.Worked, res.Published)
+	}
+	if d != nil {
+		s := d.Stats()
+		res.Stats = &dispatchStat{Batches: s.Batches, Events: s.Events, Wakes: s.Wakes, Polls: s.Polls, Errors: s.Errors}
+	}
+
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	hh, eh := newHist(), newHist()
+	for id, tc := range c.commit {
+		if th, ok := c.handoff[id]; ok {
+			if th.Before(tc) {
+				res.Clamped++
+			}
+			record(hh, th.Sub(tc))
+		}
+		if tw, ok := c.work[id]; ok {
+			if tw.Before(tc) {
+				res.Clamped++
+			}
+			record(eh, tw.Sub(tc))
+		}
+	}
+	res.Handoff = summarize(hh)
+	res.EndToEnd = summarize(eh)
+	res.Commit = summarize(commitH)
+	if res.Commit != nil {
+		res.Commit.CDF = nil
+	}
+	return res, nil
+}
+
+// produceOne runs one producer transaction and returns the id that the
+// worker will see as EventArgs.EventID.
+func produceOne(ctx context.Context, p *pgxpool.Pool, mode string, insertRC *river.Client[pgx.Tx], payload json.RawMessage, seq *atomic.Int64) (int64, error) {
+	tx, err := p.Begin(ctx)
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	var id int64
+	if mode == modeRiverDirect {
+		id = seq.Add(1)
+		_, err = insertRC.InsertTx(ctx, tx, outboxriver.EventArgs{
+			EventID: id, EventType: eventType, Payload: payload, CreatedAt: time.Now(),
+		}, &river.InsertOpts{Queue: benchQueue})
+	} else {
+		var pub outbox.Published
+		pub, err = outbox.Publish(ctx, tx, outbox.Event{Type: eventType, Payload: payload})
+		id = pub.ID
+	}
+	if err != nil {
+		return 0, err
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return 0, err
+	}
+	return id, nil
+}

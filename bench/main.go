@@ -1,0 +1,220 @@
+// Command bench is the outbox's benchmark suite: handoff and end-to-end
+// latency (notify vs poll vs River alone), drain throughput (1, 2, 4
+// dispatchers; batch 100 vs 1000; beside River's raw InsertMany), the
+// producer cost of the wake trigger, and the dispatcher's memory and CPU.
+//
+// It creates a fresh database (outbox_bench_<pid>) on the server that
+// TEST_DATABASE_URL / DATABASE_URL / 127.0.0.1:5432 names, runs every
+// scenario in it, drops it, prints a markdown table and writes results.json
+// and PNG plots under -out. See docs/benchmarks.md.
+//
+//	go run . -quick            # under a minute (CI)
+//	go run .                   # the full suite, about five minutes
+//	go run . -scenarios latency -rate 500 -duration 20s
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// Options are the command-line flags.
+type Options struct {
+	Scenarios        []string
+	Rate             int
+	Duration         time.Duration
+	N                int
+	Dispatchers      []int
+	Batches          []int
+	Clients          []int
+	ProducerDuration time.Duration
+	Quick            bool
+	Out              string
+	Repo             string
+	URL              string
+	Keep             bool
+	Verbose          bool
+}
+
+func main() {
+	os.Exit(run())
+}
+
+func run() int {
+	var (
+		o           Options
+		scenarios   string
+		dispatchers string
+		batches     string
+		clients     string
+	)
+	flag.StringVar(&scenarios, "scenarios", "latency,drain,producer", "comma-separated scenarios to run: latency, drain (includes resources), producer")
+	flag.IntVar(&o.Rate, "rate", 200, "latency: events per second")
+	flag.DurationVar(&o.Duration, "duration", 10*time.Second, "latency: duration per mode")
+	flag.IntVar(&o.N, "n", 100_000, "drain: backlog size")
+	flag.StringVar(&dispatchers, "dispatchers", "1,2,4", "drain: dispatcher counts (outboxd processes)")
+	flag.StringVar(&batches, "batches", "100,1000", "drain: batch sizes (OUTBOX_DISPATCH_BATCH_SIZE)")
+	flag.StringVar(&clients, "clients", "1,8,32", "producer: client counts")
+	flag.DurationVar(&o.ProducerDuration, "producer-duration", 4*time.Second, "producer: measurement time per cell")
+	flag.BoolVar(&o.Quick, "quick", false, "quick mode (CI): 3 s latency runs, N=10000, 1 s producer cells")
+	flag.StringVar(&o.Out, "out", "", "output directory (default results/<timestamp>)")
+	flag.StringVar(&o.Repo, "repo", "..", "root of the outbox module (to build cmd/outboxd)")
+	flag.StringVar(&o.URL, "db", "", "server connection string (default TEST_DATABASE_URL, DATABASE_URL, postgres://postgres@127.0.0.1:5432/postgres)")
+	flag.BoolVar(&o.Keep, "keep", false, "keep the bench database (for EXPLAIN and friends) instead of dropping it")
+	flag.BoolVar(&o.Verbose, "v", false, "log the dispatchers' info messages")
+	flag.Parse()
+
+	set := map[string]bool{}
+	flag.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	if o.Quick {
+		if !set["duration"] {
+			o.Duration = 3 * time.Second
+		}
+		if !set["n"] {
+			o.N = 10_000
+		}
+		if !set["producer-duration"] {
+			o.ProducerDuration = time.Second
+		}
+	}
+	var err error
+	o.Scenarios = splitList(scenarios)
+	for _, s := range o.Scenarios {
+		switch s {
+		case "latency", "drain", "producer":
+		default:
+			fmt.Fprintf(os.Stderr, "bench: -scenarios: unknown scenario %q (want latency, drain, producer)\n", s)
+			return 2
+		}
+	}
+	if o.Dispatchers, err = splitInts(dispatchers); err != nil {
+		fmt.Fprintln(os.Stderr, "bench: -dispatchers:", err)
+		return 2
+	}
+	if o.Batches, err = splitInts(batches); err != nil {
+		fmt.Fprintln(os.Stderr, "bench: -batches:", err)
+		return 2
+	}
+	if o.Clients, err = splitInts(clients); err != nil {
+		fmt.Fprintln(os.Stderr, "bench: -clients:", err)
+		return 2
+	}
+	if o.Rate < 1 || o.Duration <= 0 || o.N < 1 || o.ProducerDuration <= 0 {
+		fmt.Fprintln(os.Stderr, "bench: -rate, -duration, -n and -producer-duration must be positive")
+		return 2
+	}
+	if o.URL == "" {
+		o.URL = defaultURL()
+	}
+	start := time.Now()
+	if o.Out == "" {
+		o.Out = filepath.Join("results", start.Format("20060102-150405"))
+	}
+	if err := os.MkdirAll(o.Out, 0o755); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		return 1
+	}
+
+	level := slog.LevelWarn
+	if o.Verbose {
+		level = slog.LevelInfo
+	}
+	slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})))
+
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+
+	env, err := newEnv(ctx, &o)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		return 1
+	}
+	defer env.close()
+
+	res := &Results{Meta: env.meta(ctx, &o, start)}
+	for _, s := range o.Scenarios {
+		logf("scenario %s", s)
+		var err error
+		switch s {
+		case "latency":
+			res.Latency, err = runLatency(ctx, env, &o)
+		case "drain":
+			res.Drain, err = runDrain(ctx, env, &o)
+		case "producer":
+			res.Producer, err = runProducer(ctx, env, &o, res.Drain)
+		}
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "bench: scenario %s: %v\n", s, err)
+			return 1
+		}
+	}
+	res.Meta.Elapsed = time.Since(start).Round(time.Millisecond).String()
+	res.Meta.LoadAvgEnd = loadAvg()
+	res.Goals = checkGoals(res)
+
+	md := markdown(res)
+	fmt.Print(md)
+	if err := os.WriteFile(filepath.Join(o.Out, "results.md"), []byte(md), 0o644); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		return 1
+	}
+	js, _ := json.MarshalIndent(res, "", "  ")
+	if err := os.WriteFile(filepath.Join(o.Out, "results.json"), append(js, '\n'), 0o644); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		return 1
+	}
+	if err := writePlots(res, o.Out); err != nil {
+		fmt.Fprintln(os.Stderr, "bench: plots:", err)
+		return 1
+	}
+	logf("wrote %s (results.json, results.md, *.png) in %s", o.Out, res.Meta.Elapsed)
+	return 0
+}
+
+func defaultURL() string {
+	for _, k := range []string{"TEST_DATABASE_URL", "DATABASE_URL"} {
+		if v := os.Getenv(k); v != "" {
+			return v
+		}
+	}
+	return "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, f := range strings.Split(s, ",") {
+		if f = strings.TrimSpace(f); f != "" {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+func splitInts(s string) ([]int, error) {
+	var out []int
+	for _, f := range splitList(s) {
+		n, err := strconv.Atoi(f)
+		if err != nil || n < 1 {
+			return nil, fmt.Errorf("%q is not a positive number", f)
+		}
+		out = append(out, n)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("empty list")
+	}
+	return out, nil
+}
+
+func logf(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, "bench %s: %s\n", time.Now().Format("15:04:05.000"), fmt.Sprintf(format, args...))
+}

@@ -1,0 +1,188 @@
+package main
+
+import (
+	"fmt"
+	"strings"
+)
+
+// Results is everything one run measured (results.json).
+type Results struct {
+	Meta     Meta            `json:"meta"`
+	Latency  []LatencyResult `json:"latency,omitempty"`
+	Drain    *DrainResults   `json:"drain,omitempty"`
+	Producer []ProducerCell  `json:"producer,omitempty"`
+	Goals    []Goal          `json:"goals"`
+}
+
+// Goal is one of issue 5's targets, checked against this run.
+type Goal struct {
+	Name     string `json:"name"`
+	Target   string `json:"target"`
+	Measured string `json:"measured"`
+	Pass     bool   `json:"pass"`
+}
+
+func (r *Results) latency(mode string) *LatencyResult {
+	for i := range r.Latency {
+		if r.Latency[i].Mode == mode {
+			return &r.Latency[i]
+		}
+	}
+	return nil
+}
+
+func (r *Results) drainRun(k, batch int) *DrainResult {
+	if r.Drain == nil {
+		return nil
+	}
+	for i := range r.Drain.Runs {
+		if r.Drain.Runs[i].Dispatchers == k && r.Drain.Runs[i].Batch == batch {
+			return &r.Drain.Runs[i]
+		}
+	}
+	return nil
+}
+
+func checkGoals(r *Results) []Goal {
+	var g []Goal
+	add := func(name, target, measured string, pass bool) {
+		g = append(g, Goal{Name: name, Target: target, Measured: measured, Pass: pass})
+	}
+	notify, poll, direct := r.latency(modeNotify), r.latency(modePoll), r.latency(modeRiverDirect)
+	if notify != nil && notify.Handoff != nil {
+		h := notify.Handoff
+		add("handoff p50", "≤ 1.5 ms", fmt.Sprintf("%.2f ms", h.P50), h.P50 <= 1.5)
+		add("handoff p99", "≤ 5 ms", fmt.Sprintf("%.2f ms", h.P99), h.P99 <= 5)
+		if poll != nil && poll.Handoff != nil {
+			x := poll.Handoff.P50 / h.P50
+			add("handoff p50 vs poll", "≥ 100× lower", fmt.Sprintf("%.0f× (poll %.1f ms)", x, poll.Handoff.P50), x >= 100)
+		}
+	}
+	if notify != nil && notify.EndToEnd != nil {
+		e := notify.EndToEnd
+		if direct != nil && direct.EndToEnd != nil {
+			diff := e.P50 - direct.EndToEnd.P50
+			add("end-to-end p50 vs river-direct", "within 1.5 ms", fmt.Sprintf("+%.2f ms (%.2f vs %.2f ms)", diff, e.P50, direct.EndToEnd.P50), diff <= 1.5)
+		}
+		add("end-to-end p99", "≤ 10 ms", fmt.Sprintf("%.2f ms", e.P99), e.P99 <= 10)
+	}
+	if r.Drain != nil {
+		for _, run := range r.Drain.Runs {
+			if run.Dispatchers != 1 {
+				continue
+			}
+			add(fmt.Sprintf("drain, 1 dispatcher, batch %d", run.Batch), "≥ 0.6× raw River InsertMany",
+				fmt.Sprintf("%.2f× (%.0f ev/s)", run.RawRatio, run.PerSecond), run.RawRatio >= 0.6)
+		}
+		for _, b := range []int{100, 1000} {
+			one, two := r.drainRun(1, b), r.drainRun(2, b)
+			if one != nil && two != nil {
+				add(fmt.Sprintf("drain, 2 dispatchers > 1, batch %d", b), "more with 2 than 1",
+					fmt.Sprintf("%.0f vs %.0f ev/s", two.PerSecond, one.PerSecond), two.PerSecond > one.PerSecond)
+			}
+		}
+		if one := r.drainRun(1, 100); one != nil && len(one.PeakRSSMiB) > 0 {
+			add("peak RSS draining", "≤ 64 MiB", fmt.Sprintf("%.1f MiB (%d events)", one.MaxRSSMiB, one.Events), one.MaxRSSMiB <= 64)
+		}
+	}
+	for _, c := range r.Producer {
+		if c.Variant != variantShipped || c.Clients < 8 {
+			continue
+		}
+		add(fmt.Sprintf("producer (a)/(b), %d clients, dispatcher %s", c.Clients, c.State), "≥ 0.9×",
+			fmt.Sprintf("%.2f×", c.Ratio), c.Ratio >= 0.9)
+	}
+	return g
+}
+
+func markdown(r *Results) string {
+	var b strings.Builder
+	m := r.Meta
+	fmt.Fprintf(&b, "# Outbox benchmark, %s\n\n", m.Started)
+	fmt.Fprintf(&b, "- command: `%s` (quick: %v), commit %s, took %s\n", m.Command, m.Quick, m.Commit, m.Elapsed)
+	fmt.Fprintf(&b, "- machine: %s, %d cores, %s, Linux %s, %s\n", m.CPU, m.Cores, m.MemTotal, m.Kernel, m.GoVersion)
+	fmt.Fprintf(&b, "- Postgres: %s; fsync=%s synchronous_commit=%s shared_buffers=%s\n", firstWords(m.Postgres, 2),
+		m.PGSettings["fsync"], m.PGSettings["synchronous_commit"], m.PGSettings["shared_buffers"])
+	fmt.Fprintf(&b, "- load average: %s at start, %s at end; %d other client connections on the server at start\n\n", m.LoadAvg, m.LoadAvgEnd, m.OtherConns)
+
+	if len(r.Latency) > 0 {
+		fmt.Fprintf(&b, "## Latency at %d events/s for %s per mode (ms)\n\n", m.Rate, m.Duration)
+		b.WriteString("| mode | measure | events | p50 | p90 | p99 | p99.9 | max |\n|---|---|--:|--:|--:|--:|--:|--:|\n")
+		row := func(mode, what string, s *Summary) {
+			if s == nil {
+				return
+			}
+			fmt.Fprintf(&b, "| %s | %s | %d | %.2f | %.2f | %.2f | %.2f | %.2f |\n", mode, what, s.Count, s.P50, s.P90, s.P99, s.P999, s.Max)
+		}
+		for _, l := range r.Latency {
+			row(l.Mode, "handoff", l.Handoff)
+			row(l.Mode, "end to end", l.EndToEnd)
+		}
+		for _, l := range r.Latency {
+			row(l.Mode, "producer tx", l.Commit)
+		}
+		b.WriteString("\n")
+	}
+	if r.Drain != nil {
+		fmt.Fprintf(&b, "## Drain of %d events\n\n", r.Drain.N)
+		b.WriteString("| what | batch | events/s | s to last handoff | × raw River | peak RSS MiB | CPU s / 100k |\n|---|--:|--:|--:|--:|--:|--:|\n")
+		for _, raw := range r.Drain.Raw {
+			fmt.Fprintf(&b, "| raw River InsertManyTx (%d goroutines) | %d | %.0f | %.2f | 1.00 | | |\n", raw.Concurrency, raw.Batch, raw.PerSecond, raw.Seconds)
+		}
+		for _, d := range r.Drain.Runs {
+			rss := make([]string, len(d.PeakRSSMiB))
+			for i, v := range d.PeakRSSMiB {
+				rss[i] = fmt.Sprintf("%.1f", v)
+			}
+			fmt.Fprintf(&b, "| %d × outboxd | %d | %.0f | %.2f | %.2f | %s | %.2f |\n", d.Dispatchers, d.Batch, d.PerSecond, d.Seconds, d.RawRatio, strings.Join(rss, ", "), d.CPUPer100k)
+		}
+		b.WriteString("\n")
+	}
+	if len(r.Producer) > 0 {
+		b.WriteString("## Producer transactions per second, one event per transaction\n\n")
+		b.WriteString("| dispatcher | clients | (a) shipped | (b) no trigger | (c) naive NOTIFY | (a)/(b) | (c)/(b) | batches (a) / (b) / (c) |\n|---|--:|--:|--:|--:|--:|--:|--:|\n")
+		type key struct {
+			state   string
+			clients int
+		}
+		rows := map[key]map[string]ProducerCell{}
+		var order []key
+		for _, c := range r.Producer {
+			k := key{c.State, c.Clients}
+			if rows[k] == nil {
+				rows[k] = map[string]ProducerCell{}
+				order = append(order, k)
+			}
+			rows[k][c.Variant] = c
+		}
+		for _, k := range order {
+			a, bb, c := rows[k][variantShipped], rows[k][variantNone], rows[k][variantNaive]
+			state := k.state
+			if k.state == "busy" && !(a.BusyThroughout && bb.BusyThroughout && c.BusyThroughout) {
+				state += " (ran out of backlog)"
+			}
+			fmt.Fprintf(&b, "| %s | %d | %.0f | %.0f | %.0f | %.2f | %.2f | %d / %d / %d |\n", state, k.clients, a.TPS, bb.TPS, c.TPS, a.Ratio, c.Ratio, a.Batches, bb.Batches, c.Batches)
+		}
+		b.WriteString("\n")
+	}
+	if len(r.Goals) > 0 {
+		b.WriteString("## Goals\n\n| goal | target | measured | |\n|---|---|---|---|\n")
+		for _, g := range r.Goals {
+			mark := "met"
+			if !g.Pass {
+				mark = "**missed**"
+			}
+			fmt.Fprintf(&b, "| %s | %s | %s | %s |\n", g.Name, g.Target, g.Measured, mark)
+		}
+		b.WriteString("\n")
+	}
+	return b.String()
+}
+
+func firstWords(s string, n int) string {
+	f := strings.Fields(s)
+	if len(f) > n {
+		f = f[:n]
+	}
+	return strings.Join(f, " ")
+}
