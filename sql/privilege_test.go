@@ -1,0 +1,310 @@
+package outboxsql_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/claim"
+	"github.com/outboxhq/outbox/dispatcher"
+	"github.com/outboxhq/outbox/internal/pgtest"
+	"github.com/outboxhq/outbox/route"
+	outboxsql "github.com/outboxhq/outbox/sql"
+)
+
+// rolePool connects to the schema as role (the role is a startup
+// parameter, so every connection of the pool, including the dispatcher's
+// dedicated listener and wake-lock connections copied from its config,
+// runs as that role).
+func rolePool(t *testing.T, s *pgtest.Schema, role string) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(s.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["role"] = role
+	cfg.MaxConns = 6
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	var cur string
+	if err := pool.QueryRow(context.Background(), `SELECT current_user`).Scan(&cur); err != nil || cur != role {
+		t.Fatalf("current_user = %q (%v), want %q", cur, err, role)
+	}
+	return pool
+}
+
+func isInsufficientPrivilege(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "42501"
+}
+
+// TestProducerRoleCanOnlyPublish publishes as outbox_producer through every
+// producer path (Publish, PublishMany with duplicate keys, outbox_publish,
+// a plain INSERT) and shows that the role cannot read events, change their
+// status, delete them or touch River's jobs.
+func TestProducerRoleCanOnlyPublish(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	// Another tenant's event, written by the owner.
+	var otherID int64
+	if err := s.Pool.QueryRow(ctx, `SELECT outbox_publish('billing.invoice.paid', '{"secret": "other tenant"}', 'tenant-b', 'k-b')`).Scan(&otherID); err != nil {
+		t.Fatal(err)
+	}
+
+	p := rolePool(t, s, "outbox_producer")
+	var res []outbox.Published
+	err := pgx.BeginFunc(ctx, p, func(tx pgx.Tx) error {
+		var err error
+		res, err = outbox.PublishMany(ctx, tx, []outbox.Event{
+			{Type: "mail.user.welcome", TenantID: "tenant-a", DispatchKey: "k-a"},
+			{Type: "mail.user.welcome", TenantID: "tenant-a", DispatchKey: "k-a"}, // duplicate in batch
+			{Type: "mail.user.welcome", TenantID: "tenant-a", DispatchKey: "k-b"}, // duplicate of a stored key
+		})
+		return err
+	})
+	if err != nil {
+		t.Fatalf("PublishMany as producer: %v", err)
+	}
+	if res[0].Duplicate || !res[1].Duplicate || res[1].ID != res[0].ID || !res[2].Duplicate || res[2].ID != otherID {
+		t.Fatalf("PublishMany results %+v (other id %d)", res, otherID)
+	}
+	var sqlID, dupID int64
+	if err := p.QueryRow(ctx, `SELECT outbox_publish('audit.user.login', '{}', 'tenant-a', 'k-sql')`).Scan(&sqlID); err != nil {
+		t.Fatalf("outbox_publish as producer: %v", err)
+	}
+	if err := p.QueryRow(ctx, `SELECT outbox_publish('audit.user.login', '{}', 'tenant-a', 'k-b')`).Scan(&dupID); err != nil || dupID != otherID {
+		t.Fatalf("outbox_publish duplicate as producer: id %d, err %v (want %d)", dupID, err, otherID)
+	}
+	if _, err := p.Exec(ctx, `INSERT INTO outbox_event (event_type, payload, tenant_id) VALUES ('audit.user.logout', '{}', 'tenant-a')`); err != nil {
+		t.Fatalf("plain INSERT as producer: %v", err)
+	}
+
+	refused := map[string]string{
+		"read payloads":         `SELECT payload FROM outbox_event WHERE id = ` + itoa(otherID),
+		"read tenants":          `SELECT tenant_id FROM outbox_event`,
+		"read everything":       `SELECT * FROM outbox_event`,
+		"read status":           `SELECT status FROM outbox_event`,
+		"filter on tenant":      `SELECT id FROM outbox_event WHERE tenant_id = 'tenant-b'`,
+		"mark done":             `UPDATE outbox_event SET status = 'done'`,
+		"cancel":                `UPDATE outbox_event SET status = 'cancelled' WHERE id = ` + itoa(otherID),
+		"delete":                `DELETE FROM outbox_event`,
+		"set status on insert":  `INSERT INTO outbox_event (event_type, payload, status) VALUES ('a.b.c', '{}', 'done')`,
+		"schedule on insert":    `INSERT INTO outbox_event (event_type, payload, scheduled_at) VALUES ('a.b.c', '{}', now() + interval '1 year')`,
+		"read River jobs":       `SELECT * FROM river_job`,
+		"insert River jobs":     `INSERT INTO river_job (args, kind, max_attempts, queue, state) VALUES ('{}', 'outbox_event', 1, 'outbox_mail', 'available')`,
+		"truncate":              `TRUNCATE outbox_event`,
+		"read the audit trail":  `SELECT * FROM outbox_audit`,
+		"select for update":     `SELECT id FROM outbox_event FOR UPDATE`,
+		"create in the schema":  `CREATE TABLE producer_was_here (x int)`,
+		"alter the outbox":      `ALTER TABLE outbox_event DROP CONSTRAINT outbox_event_type_format`,
+		"drop the wake trigger": `DROP TRIGGER outbox_event_wake ON outbox_event`,
+	}
+	for name, q := range refused {
+		_, err := p.Exec(ctx, q)
+		if !isInsufficientPrivilege(err) {
+			var owner string
+			_ = p.QueryRow(ctx, `SELECT current_user`).Scan(&owner)
+			t.Errorf("%s: %q as %s: err = %v, want permission denied (42501)", name, q, owner, err)
+		}
+	}
+
+	var pending, done int
+	if err := s.Pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE status = 'pending'), count(*) FILTER (WHERE status = 'done') FROM outbox_event`).Scan(&pending, &done); err != nil {
+		t.Fatal(err)
+	}
+	if pending != 4 || done != 0 {
+		t.Fatalf("pending=%d done=%d, want 4 and 0", pending, done)
+	}
+}
+
+func itoa(n int64) string {
+	b, _ := json.Marshal(n)
+	return string(b)
+}
+
+// TestDispatcherRoleDispatches runs a real dispatcher (listener, wake lock,
+// River insert) as outbox_dispatcher and a producer as outbox_producer: the
+// events are handed off, and the dispatcher cannot publish through the
+// producer's function nor change the schema.
+func TestDispatcherRoleDispatches(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 90*time.Second)
+	prod := rolePool(t, s, "outbox_producer")
+	disp := rolePool(t, s, "outbox_dispatcher")
+
+	routes, err := route.New([]route.Rule{
+		{Prefix: "mail.", Queues: []string{"outbox_mail"}},
+		{Prefix: "audit.", Queues: []string{"outbox_audit", "outbox_mail"}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	handed := map[int64]bool{}
+	d, err := dispatcher.New(disp, dispatcher.Config{
+		Routes:       routes,
+		BatchSize:    7,
+		Concurrency:  2,
+		PollInterval: 100 * time.Millisecond,
+		Logger:       slog.New(slog.NewTextHandler(io.Discard, nil)),
+		OnBatch: func(r claim.Result) {
+			mu.Lock()
+			defer mu.Unlock()
+			for _, id := range r.IDs {
+				handed[id] = true
+			}
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Start(ctx); err != nil {
+		t.Fatalf("start as outbox_dispatcher: %v", err)
+	}
+	t.Cleanup(func() { _ = d.Stop(context.Background()) })
+
+	const n = 50
+	for i := range n {
+		typ := "mail.user.welcome"
+		if i%5 == 0 {
+			typ = "audit.user.login"
+		}
+		if err := pgx.BeginFunc(ctx, prod, func(tx pgx.Tx) error {
+			_, err := outbox.Publish(ctx, tx, outbox.Event{Type: typ, TenantID: "t"})
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// An unroutable event is failed by the dispatcher role.
+	if _, err := prod.Exec(ctx, `SELECT outbox_publish('nowhere.to.go', '{}')`); err != nil {
+		t.Fatal(err)
+	}
+
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		var left int
+		if err := s.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE status = 'pending'`).Scan(&left); err != nil {
+			t.Fatal(err)
+		}
+		if left == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d events still pending after 60 s as outbox_dispatcher (stats %+v)", left, d.Stats())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	var done, failed, jobs, dups int
+	if err := s.Pool.QueryRow(ctx, `SELECT
+		(SELECT count(*) FROM outbox_event WHERE status = 'done'),
+		(SELECT count(*) FROM outbox_event WHERE status = 'failed'),
+		(SELECT count(*) FROM river_job),
+		(SELECT count(*) FROM (SELECT 1 FROM river_job GROUP BY args->>'event_id', queue HAVING count(*) > 1) x)`).Scan(&done, &failed, &jobs, &dups); err != nil {
+		t.Fatal(err)
+	}
+	if done != n || failed != 1 || jobs != n+n/5 || dups != 0 {
+		t.Fatalf("done=%d failed=%d jobs=%d dups=%d, want %d, 1, %d, 0", done, failed, jobs, dups, n, n+n/5)
+	}
+
+	mu.Lock()
+	if len(handed) != n {
+		t.Errorf("OnBatch saw %d handed-off events, want %d", len(handed), n)
+	}
+	mu.Unlock()
+
+	for name, q := range map[string]string{
+		"publish":          `SELECT outbox_publish('a.b.c', '{}')`,
+		"insert events":    `INSERT INTO outbox_event (event_type, payload) VALUES ('a.b.c', '{}')`,
+		"alter the outbox": `ALTER TABLE outbox_event ADD COLUMN x int`,
+		"delete jobs":      `DELETE FROM river_job`,
+	} {
+		if _, err := disp.Exec(ctx, q); !isInsufficientPrivilege(err) {
+			t.Errorf("dispatcher %s: err = %v, want permission denied", name, err)
+		}
+	}
+}
+
+// TestOperatorRoleReadsAndRequeues exercises what outboxctl does as
+// outbox_operator: read events and jobs, requeue a failed event, audit it.
+func TestOperatorRoleReadsAndRequeues(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	if _, err := s.Pool.Exec(ctx, `INSERT INTO outbox_event (event_type, payload, status, last_error) VALUES ('a.b.c', '{}', 'failed', 'x')`); err != nil {
+		t.Fatal(err)
+	}
+	op := rolePool(t, s, "outbox_operator")
+	for _, q := range []string{
+		`SELECT count(*) FROM outbox_event WHERE status = 'failed'`,
+		`SELECT count(*) FROM river_job`,
+		`UPDATE outbox_event SET status = 'pending', retries = 0, last_error = NULL WHERE status = 'failed'`,
+		`INSERT INTO outbox_audit (actor, action, affected) VALUES ('test', 'requeue', 1)`,
+		`SELECT outbox_publish('a.b.c', '{}')`,
+	} {
+		if _, err := op.Exec(ctx, q); err != nil {
+			t.Errorf("operator: %q: %v", q, err)
+		}
+	}
+	for _, q := range []string{`DELETE FROM river_job`, `DROP TABLE outbox_audit`, `UPDATE outbox_audit SET affected = 0`} {
+		if _, err := op.Exec(ctx, q); !isInsufficientPrivilege(err) {
+			t.Errorf("operator: %q: err = %v, want permission denied", q, err)
+		}
+	}
+}
+
+// TestRolesMigrationIsConcurrentSafe migrates fresh schemas at once: the
+// cluster-wide roles are created (or found) by whichever migration gets
+// there first, and none fails.
+func TestRolesMigrationIsConcurrentSafe(t *testing.T) {
+	t.Parallel()
+	const n = 4
+	schemas := make([]*pgtest.Schema, n)
+	for i := range schemas {
+		schemas[i] = pgtest.NewSchema(t, &pgtest.Options{NoMigrate: true, MaxConns: 2})
+	}
+	ctx := pgtest.Context(t, 120*time.Second)
+	var wg sync.WaitGroup
+	errs := make([]error, n)
+	for i, s := range schemas {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, errs[i] = outboxsql.Migrate(ctx, s.Pool, nil)
+		}()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Errorf("schema %d: %v", i, err)
+		}
+	}
+	var roles []string
+	rows, err := schemas[0].Pool.Query(ctx, `SELECT rolname || ':' || rolcanlogin FROM pg_roles WHERE rolname LIKE 'outbox\_%' ORDER BY 1`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	roles, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(roles, " "); got != "outbox_dispatcher:false outbox_operator:false outbox_producer:false" {
+		t.Fatalf("roles %q", got)
+	}
+}
