@@ -2,9 +2,16 @@
 //
 //	outboxctl migrate              apply the outbox's and River's migrations
 //	outboxctl publish --type T     publish one event
+//	outboxctl requeue [filters]    put failed/cancelled events back to pending
+//	outboxctl cancel [filters]     move pending/failed events to cancelled
+//	outboxctl stats [--check]      counts, lag, River queues, alerts
+//	outboxctl retention run        purge old done events now
+//	outboxctl audit                list the operator actions recorded
 //
-// Every command reads DATABASE_URL and takes --json. Exit status: 0 success,
-// 1 failure, 2 bad usage.
+// Every command reads DATABASE_URL (the operator commands also take
+// --database-url) and takes --json. Exit status: 0 success, 1 failure
+// (stats --check: an alert threshold is crossed), 2 bad usage or a
+// selection refused by a guardrail. See docs/operations.md.
 package main
 
 import (
@@ -159,4 +166,9 @@ func usage(w io.Writer) {
 func init() {
 	register("migrate", "apply the outbox's and River's migrations (idempotent, safe to run concurrently)", runMigrate)
 	register("publish", "publish one event: --type T [--payload JSON] [--tenant ID] [--key KEY]", runPublish)
+	register("requeue", "put failed/cancelled events back to pending: --id N | --status S --type-prefix P --tenant T --since --until --error-contains --limit [--dry-run] [--all] [--allow-replay]", runRequeue)
+	register("cancel", "move pending/failed events to cancelled: same selection as requeue [--dry-run] [--all]", runCancel)
+	register("stats", "counts by status, dispatcher lag, River jobs per queue, alerts: [--check] [--stalled-after D] [--routes F] [--worked-queues Q,...]", runStats)
+	register("retention", "purge old done events now: run [--dry-run] [--hours N] [--batch-size N]", runRetention)
+	register("audit", "list recorded operator actions, newest first: [--limit N] [--action A] [--since T]", runAudit)
 }
