@@ -79,7 +79,7 @@ type eventRow struct {
 	ID          int64
 	Status      string
 	Retries     int
-	Due         bool // scheduled_at <= now()
+	Due         bool   // scheduled_at <= now()
 	LockedUntil string // "" when NULL
 	ProcessedAt string
 	LastError   string
