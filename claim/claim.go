@@ -120,6 +120,14 @@ type Handoff struct {
 	// failure dead-letters the event.
 	MaxRetries int
 	Alerter    alert.Alerter
+	// SynchronousCommit makes the batch transaction wait for its WAL flush.
+	// By default it does not (SET LOCAL synchronous_commit = off): the
+	// handoff stays exactly-once because a River worker can only start a
+	// job after its own synchronous commit, which flushes the WAL up to and
+	// including this earlier transaction; a crash before that loses the
+	// batch as a whole (events pending again, no jobs), never half of it.
+	// Set it when workers run with synchronous_commit = off themselves.
+	SynchronousCommit bool
 }
 
 // Result summarises one batch.
@@ -168,30 +176,24 @@ func (r *Result) add(o Result) {
 // An error means the batch could not run at all (nothing changed).
 func (h *Handoff) Batch(ctx context.Context, limit int) (Result, error) {
 	var res Result
-	tx, err := h.Pool.Begin(ctx)
+	conn, err := h.Pool.Acquire(ctx)
 	if err != nil {
-		return res, fmt.Errorf("claim: begin: %w", err)
+		return res, fmt.Errorf("claim: acquire connection: %w", err)
 	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	defer conn.Release()
 
-	events, err := claim(ctx, tx, claimSQL, limit)
+	tx, events, err := h.begin(ctx, conn.Conn(), claimSQL, limit)
 	if err != nil {
 		return res, err
 	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	res.Claimed = len(events)
 	if len(events) == 0 {
-		// Nothing locked, nothing written: ending the transaction either
-		// way is the same. Commit is one round trip like Rollback.
-		return res, nil
+		// Nothing locked, nothing written.
+		return res, tx.commitWith(ctx, nil)
 	}
 
 	batchRes, unroutable, err := h.handoff(ctx, tx, events)
-	if err == nil {
-		err = tx.Commit(ctx)
-		if err != nil {
-			err = fmt.Errorf("claim: commit: %w", err)
-		}
-	}
 	if err != nil {
 		if ctx.Err() != nil {
 			return res, err
@@ -222,27 +224,23 @@ func (h *Handoff) Batch(ctx context.Context, limit int) (Result, error) {
 // error that made its batch fail, recorded if this attempt fails too.
 func (h *Handoff) One(ctx context.Context, id int64, batchErr error) (Result, error) {
 	var res Result
-	tx, err := h.Pool.Begin(ctx)
+	conn, err := h.Pool.Acquire(ctx)
 	if err != nil {
-		return res, fmt.Errorf("claim: begin: %w", err)
+		return res, fmt.Errorf("claim: acquire connection: %w", err)
 	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	defer conn.Release()
 
-	events, err := claim(ctx, tx, claimOneSQL, id)
+	tx, events, err := h.begin(ctx, conn.Conn(), claimOneSQL, id)
 	if err != nil {
 		return res, err
 	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	if len(events) == 0 {
 		res.Skipped = 1
-		return res, nil
+		return res, tx.commitWith(ctx, nil)
 	}
 	res.Claimed = 1
 	oneRes, unroutable, err := h.handoff(ctx, tx, events)
-	if err == nil {
-		if err = tx.Commit(ctx); err != nil {
-			err = fmt.Errorf("claim: commit: %w", err)
-		}
-	}
 	if err == nil {
 		res.add(oneRes)
 		h.alertUnroutable(ctx, unroutable)
@@ -267,10 +265,15 @@ func (h *Handoff) One(ctx context.Context, id int64, batchErr error) (Result, er
 	return res, nil
 }
 
-func claim(ctx context.Context, tx pgx.Tx, sql string, arg any) ([]Event, error) {
-	rows, err := tx.Query(ctx, sql, arg)
+// begin opens the batch transaction and claims, in one round trip.
+func (h *Handoff) begin(ctx context.Context, conn *pgx.Conn, sql string, arg any) (*pipeTx, []Event, error) {
+	var setup []string
+	if !h.SynchronousCommit {
+		setup = []string{"SET LOCAL synchronous_commit = off"}
+	}
+	tx, rows, err := beginAndQuery(ctx, conn, setup, sql, arg)
 	if err != nil {
-		return nil, fmt.Errorf("claim: %w", err)
+		return nil, nil, fmt.Errorf("claim: %w", err)
 	}
 	events, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Event, error) {
 		var e Event
@@ -278,17 +281,19 @@ func claim(ctx context.Context, tx pgx.Tx, sql string, arg any) ([]Event, error)
 		return e, err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("claim: %w", err)
+		tx.abandon(ctx)
+		return nil, nil, fmt.Errorf("claim: %w", err)
 	}
-	return events, nil
+	return tx, events, nil
 }
 
-// handoff routes events, inserts their jobs and marks them done or failed,
-// inside tx. It returns the unroutable events for alerting after commit.
-func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Result, []Event, error) {
+// handoff routes events, inserts their jobs, and marks them done or failed
+// and commits, in tx. It returns the unroutable events for alerting.
+func (h *Handoff) handoff(ctx context.Context, tx *pipeTx, events []Event) (Result, []Event, error) {
 	var (
 		res        Result
 		unroutable []Event
+		final      []queued
 		params     = make([]river.InsertManyParams, 0, len(events))
 		jobEvent   = make([]int64, 0, len(events))
 	)
@@ -327,9 +332,7 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		for i, r := range inserted {
 			jobIDs[i] = r.Job.ID
 		}
-		if _, err := tx.Exec(ctx, markDoneSQL, jobEvent, jobIDs); err != nil {
-			return res, nil, fmt.Errorf("mark done: %w", err)
-		}
+		final = append(final, queued{"mark done", markDoneSQL, []any{jobEvent, jobIDs}})
 		res.Jobs = len(params)
 	}
 	if len(unroutable) > 0 {
@@ -337,10 +340,11 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		for i, e := range unroutable {
 			ids[i] = e.ID
 		}
-		if _, err := tx.Exec(ctx, markUnroutableSQL, ids); err != nil {
-			return res, nil, fmt.Errorf("mark unroutable: %w", err)
-		}
+		final = append(final, queued{"mark unroutable", markUnroutableSQL, []any{ids}})
 		res.Unroutable = len(unroutable)
+	}
+	if err := tx.commitWith(ctx, final); err != nil {
+		return res, nil, err
 	}
 	return res, unroutable, nil
 }

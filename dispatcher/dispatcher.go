@@ -71,6 +71,10 @@ type Config struct {
 	// FailureAlertAfter raises DispatcherFailing after this many consecutive
 	// failed passes. 0 means 5.
 	FailureAlertAfter int
+	// SynchronousCommit makes each batch wait for its WAL flush; see
+	// claim.Handoff.SynchronousCommit for why the default (false) keeps the
+	// handoff exactly-once.
+	SynchronousCommit bool
 }
 
 func (c *Config) setDefaults() {
@@ -172,11 +176,12 @@ func New(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 		pool:   pool,
 		logger: cfg.Logger,
 		handoff: &claim.Handoff{
-			Pool:       pool,
-			River:      rc,
-			Routes:     cfg.Routes,
-			MaxRetries: cfg.MaxRetries,
-			Alerter:    cfg.Alerter,
+			Pool:              pool,
+			River:             rc,
+			Routes:            cfg.Routes,
+			MaxRetries:        cfg.MaxRetries,
+			Alerter:           cfg.Alerter,
+			SynchronousCommit: cfg.SynchronousCommit,
 		},
 	}
 	return d, nil

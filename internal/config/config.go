@@ -24,6 +24,7 @@ type Config struct {
 	DispatchConcurrency int  `envconfig:"OUTBOX_DISPATCH_CONCURRENCY" default:"10"`
 	DispatchTimeoutMS   int  `envconfig:"OUTBOX_DISPATCH_TIMEOUT_MS" default:"30000"`
 	MaxRetries          int  `envconfig:"OUTBOX_MAX_RETRIES" default:"6"`
+	DispatchSyncCommit  bool `envconfig:"OUTBOX_DISPATCH_SYNCHRONOUS_COMMIT" default:"false"`
 
 	DoneRetentionHours     int `envconfig:"OUTBOX_DONE_RETENTION_HOURS" default:"720"`
 	DoneRetentionBatchSize int `envconfig:"OUTBOX_DONE_RETENTION_BATCH_SIZE" default:"1000"`
@@ -140,6 +141,7 @@ func (c *Config) Dispatcher() dispatcher.Config {
 		RiverFetchCooldown: ms(c.RiverFetchCooldownMS),
 		ReconnectDelay:     ms(c.ListenReconnectDelayMS),
 		PingInterval:       ms(c.ListenPingIntervalMS),
+		SynchronousCommit:  c.DispatchSyncCommit,
 	}
 }
 

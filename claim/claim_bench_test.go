@@ -1,0 +1,40 @@
+package claim_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/outboxhq/outbox/internal/pgtest"
+)
+
+// BenchmarkBatchOfOne measures one handoff of a single event (the latency
+// path at low rates): claim, River insert, mark done, commit. Publishing is
+// excluded from the timing.
+func BenchmarkBatchOfOne(b *testing.B) {
+	s := pgtest.NewSchema(b, nil)
+	h := newHandoff(&testing.T{}, s.Pool, 6, nil)
+	ctx := context.Background()
+	for b.Loop() {
+		b.StopTimer()
+		if _, err := s.Pool.Exec(ctx, `SELECT outbox_publish('mail.a.b', '{}')`); err != nil {
+			b.Fatal(err)
+		}
+		b.StartTimer()
+		res, err := h.Batch(ctx, 100)
+		if err != nil || res.Done != 1 {
+			b.Fatalf("%+v %v", res, err)
+		}
+	}
+}
+
+// BenchmarkEmptyPass measures the re-check an idle dispatcher runs.
+func BenchmarkEmptyPass(b *testing.B) {
+	s := pgtest.NewSchema(b, nil)
+	h := newHandoff(&testing.T{}, s.Pool, 6, nil)
+	ctx := context.Background()
+	for b.Loop() {
+		if _, err := h.Batch(ctx, 100); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
