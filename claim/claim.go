@@ -154,6 +154,9 @@ type Result struct {
 	// IDs of every handed-off event, parallel to CreatedAt (benchmarks
 	// time each event's handoff by id).
 	IDs []int64
+	// Types of every handed-off event, parallel to CreatedAt (metrics count
+	// dispatched events by route).
+	Types []string
 	// Fallback is true when the batch failed as a whole and its events were
 	// retried one by one.
 	Fallback bool
@@ -168,6 +171,7 @@ func (r *Result) add(o Result) {
 	r.Skipped += o.Skipped
 	r.CreatedAt = append(r.CreatedAt, o.CreatedAt...)
 	r.IDs = append(r.IDs, o.IDs...)
+	r.Types = append(r.Types, o.Types...)
 }
 
 // Batch claims up to limit due events and hands them off in one
@@ -319,6 +323,7 @@ func (h *Handoff) handoff(ctx context.Context, tx *pipeTx, events []Event) (Resu
 		res.Done++
 		res.CreatedAt = append(res.CreatedAt, e.CreatedAt)
 		res.IDs = append(res.IDs, e.ID)
+		res.Types = append(res.Types, e.Type)
 	}
 	if len(params) > 0 {
 		inserted, err := h.River.InsertManyTx(ctx, tx, params)
