@@ -24,6 +24,9 @@ const (
 	DispatcherFailing Reason = "dispatcher_failing"
 	// ListenerDisconnected: the LISTEN connection has been down for a while.
 	ListenerDisconnected Reason = "listener_disconnected"
+	// NoHandler: a River worker got an outbox job whose event type no
+	// registered handler matches; the job fails and River retries it.
+	NoHandler Reason = "no_handler"
 )
 
 // Alert is one alert.

@@ -1,7 +1,32 @@
-// Package outboxriver is the River side of the outbox: the job args every
-// handed-off event becomes (EventArgs, kind "outbox_event"), the insert-only
-// River client the dispatcher uses, and the latency settings shared by that
-// client and the workers.
+// Package outboxriver is the River side of the outbox.
+//
+// The handoff: every handed-off event becomes one River job per routed
+// queue, with args EventArgs (kind "outbox_event"), inserted by the
+// dispatcher's insert-only client (NewInsertClient) in the transaction that
+// marks the event done.
+//
+// The receivers: a Worker for that kind hands each job's Event to the
+// handler registered (Handlers) for the longest prefix of its type; a job
+// without handler fails loudly. Decode and Typed turn the payload into a
+// struct. River runs a job at least once, so effects are made idempotent
+// per (receiver, event id):
+//
+//   - WithIdempotency, for effects in the same database: the effect's
+//     writes, a receipt row and river.JobCompleteTx commit in one
+//     transaction, so a redelivery is a no-op (exactly-once effects).
+//   - WithClaim, for external effects (mail, HTTP): an atomic claim with a
+//     TTL, released when the effect fails, and the effect's result
+//     returned to duplicate deliveries.
+//
+// PurgeReceipts deletes receipts after their TTL.
+//
+// The queue groups: QueuesConfig builds a River client config for a set
+// of queues (per-queue MaxWorkers, FetchCooldown, FetchPollInterval) with
+// the outbox's low-latency defaults; ParseQueues and ParseGroups read the
+// OUTBOX_WORKER_QUEUES and OUTBOX_WORKER_GROUPS syntax; UnworkedQueues,
+// UnroutedQueues and ActiveQueues compare groups with routes.
+//
+// See docs/receivers.md for a worked example and the guarantees.
 //
 // The folder is named river; the package is named outboxriver so that it
 // never shadows github.com/riverqueue/river.

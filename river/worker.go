@@ -27,17 +27,12 @@ func (l WorkerLatency) withDefaults() WorkerLatency {
 
 // WorkerConfig returns a River client config that works the given queues
 // (name → MaxWorkers) with workers, using the outbox's latency defaults.
-// Callers may set further fields before river.NewClient.
+// Callers may set further fields before river.NewClient. QueuesConfig does
+// the same with per-queue fetch settings.
 func WorkerConfig(workers *river.Workers, queues map[string]int, lat WorkerLatency) *river.Config {
-	lat = lat.withDefaults()
-	qs := make(map[string]river.QueueConfig, len(queues))
+	qs := make([]Queue, 0, len(queues))
 	for name, n := range queues {
-		qs[name] = river.QueueConfig{MaxWorkers: n}
+		qs = append(qs, Queue{Name: name, MaxWorkers: n})
 	}
-	return &river.Config{
-		FetchCooldown:     lat.FetchCooldown,
-		FetchPollInterval: lat.FetchPollInterval,
-		Queues:            qs,
-		Workers:           workers,
-	}
+	return QueuesConfig(workers, qs, lat)
 }
