@@ -48,19 +48,23 @@ type RawResult struct {
 type DrainResult struct {
 	Dispatchers int     `json:"dispatchers"`
 	Batch       int     `json:"batch"`
+	Concurrency int     `json:"concurrency,omitempty"`
 	Events      int     `json:"events"`
 	Seconds     float64 `json:"seconds_to_last_handoff"`
 	PerSecond   float64 `json:"events_per_second"`
 	RawRatio    float64 `json:"ratio_to_raw_river"`
 	// Per process: peak RSS (VmHWM) and CPU seconds (user+system) spent
 	// while draining.
-	PeakRSSMiB   []float64 `json:"peak_rss_mib"`
-	CPUSeconds   []float64 `json:"cpu_seconds"`
-	CPUPer100k   float64   `json:"cpu_seconds_per_100k_events"`
-	MaxRSSMiB    float64   `json:"max_peak_rss_mib"`
-	RiverJobs    int       `json:"river_jobs"`
-	DoneEvents   int       `json:"done_events"`
-	DBCPUSeconds float64   `json:"-"`
+	PeakRSSMiB []float64 `json:"peak_rss_mib"`
+	CPUSeconds []float64 `json:"cpu_seconds"`
+	CPUPer100k float64   `json:"cpu_seconds_per_100k_events"`
+	MaxRSSMiB  float64   `json:"max_peak_rss_mib"`
+	RiverJobs  int       `json:"river_jobs"`
+	// WaitEvents are the dispatchers' backends' samples in
+	// pg_stat_activity while draining.
+	WaitEvents   []string `json:"pg_wait_events"`
+	DoneEvents   int      `json:"done_events"`
+	DBCPUSeconds float64  `json:"-"`
 }
 
 func runDrain(ctx context.Context, e *env, o *Options) (*DrainResults, error) {
@@ -81,7 +85,7 @@ func runDrain(ctx context.Context, e *env, o *Options) (*DrainResults, error) {
 	}
 	for _, b := range o.Batches {
 		for _, k := range o.Dispatchers {
-			r, err := drainOnce(ctx, e, bin, o.N, k, b)
+			r, err := drainOnce(ctx, e, bin, o.N, k, b, o.Concurrency)
 			if err != nil {
 				return nil, fmt.Errorf("drain with %d dispatcher(s), batch %d: %w", k, b, err)
 			}
@@ -159,7 +163,7 @@ type proc struct {
 	stderr *os.File
 }
 
-func startOutboxd(ctx context.Context, e *env, bin, schema string, i, batch int) (*proc, error) {
+func startOutboxd(ctx context.Context, e *env, bin, schema string, i, batch, concurrency int) (*proc, error) {
 	logPath := filepath.Join(e.tmp, fmt.Sprintf("outboxd-%s-%d.log", schema, i))
 	f, err := os.Create(logPath)
 	if err != nil {
@@ -173,6 +177,9 @@ func startOutboxd(ctx context.Context, e *env, bin, schema string, i, batch int)
 		"OUTBOX_DISPATCH_BATCH_SIZE="+strconv.Itoa(batch),
 		"OUTBOX_LOG_LEVEL=warn",
 	)
+	if concurrency > 0 {
+		cmd.Env = append(cmd.Env, "OUTBOX_DISPATCH_CONCURRENCY="+strconv.Itoa(concurrency))
+	}
 	cmd.Stdout = f
 	cmd.Stderr = f
 	if err := cmd.Start(); err != nil {
@@ -202,8 +209,8 @@ func (p *proc) log() string {
 	return strings.TrimSpace(string(b))
 }
 
-func drainOnce(ctx context.Context, e *env, bin string, n, k, batch int) (DrainResult, error) {
-	r := DrainResult{Dispatchers: k, Batch: batch, Events: n}
+func drainOnce(ctx context.Context, e *env, bin string, n, k, batch, concurrency int) (DrainResult, error) {
+	r := DrainResult{Dispatchers: k, Batch: batch, Events: n, Concurrency: concurrency}
 	schema := fmt.Sprintf("drain_%dx%d", k, batch)
 	p, err := e.migrated(ctx, schema, 4)
 	if err != nil {
@@ -220,7 +227,7 @@ func drainOnce(ctx context.Context, e *env, bin string, n, k, batch int) (DrainR
 		}
 	}()
 	for i := range k {
-		pr, err := startOutboxd(ctx, e, bin, schema, i, batch)
+		pr, err := startOutboxd(ctx, e, bin, schema, i, batch, concurrency)
 		if err != nil {
 			return r, err
 		}
@@ -254,6 +261,7 @@ func drainOnce(ctx context.Context, e *env, bin string, n, k, batch int) (DrainR
 		return r, err
 	}
 	start := time.Now()
+	sampler := startSampler(ctx, e.admin, "bench-outboxd-%")
 	deadline := start.Add(10 * time.Minute)
 	for {
 		var pending bool
@@ -270,6 +278,7 @@ func drainOnce(ctx context.Context, e *env, bin string, n, k, batch int) (DrainR
 	}
 	r.Seconds = time.Since(start).Seconds()
 	r.PerSecond = float64(n) / r.Seconds
+	r.WaitEvents = sampler.stop()
 	var cpuSum float64
 	for i, pr := range procs {
 		pid := pr.cmd.Process.Pid

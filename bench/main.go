@@ -38,6 +38,7 @@ type Options struct {
 	Batches          []int
 	Clients          []int
 	ProducerDuration time.Duration
+	Concurrency      int
 	Quick            bool
 	Out              string
 	Repo             string
@@ -64,6 +65,7 @@ func run() int {
 	flag.IntVar(&o.N, "n", 100_000, "drain: backlog size")
 	flag.StringVar(&dispatchers, "dispatchers", "1,2,4", "drain: dispatcher counts (outboxd processes)")
 	flag.StringVar(&batches, "batches", "100,1000", "drain: batch sizes (OUTBOX_DISPATCH_BATCH_SIZE)")
+	flag.IntVar(&o.Concurrency, "concurrency", 0, "drain: OUTBOX_DISPATCH_CONCURRENCY of each outboxd (0: its default, 10)")
 	flag.StringVar(&clients, "clients", "1,8,32", "producer: client counts")
 	flag.DurationVar(&o.ProducerDuration, "producer-duration", 4*time.Second, "producer: measurement time per cell")
 	flag.BoolVar(&o.Quick, "quick", false, "quick mode (CI): 3 s latency runs, N=10000, 1 s producer cells")

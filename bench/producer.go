@@ -36,7 +36,10 @@ type ProducerCell struct {
 	Backlog        int   `json:"backlog,omitempty"`
 	Wakes          int64 `json:"dispatcher_wakes"`
 	Batches        int64 `json:"dispatcher_batches"`
-	Dispatched     int64 `json:"dispatched"`
+	// WaitEvents are the producers' and dispatcher's backends' samples in
+	// pg_stat_activity.
+	WaitEvents []string `json:"pg_wait_events"`
+	Dispatched int64    `json:"dispatched"`
 }
 
 // naiveTriggerSQL replaces the shipped wake with a per-row NOTIFY that every
@@ -95,7 +98,7 @@ func runProducer(ctx context.Context, e *env, o *Options, drain *DrainResults) (
 	backlog := max(5_000, int(rate*o.ProducerDuration.Seconds()*1.3))
 
 	var cells []ProducerCell
-	for _, state := range []string{"idle", "busy"} {
+	for _, state := range []string{"none", "idle", "busy"} {
 		for _, clients := range o.Clients {
 			row := map[string]*ProducerCell{}
 			var rowCells []*ProducerCell
@@ -130,23 +133,36 @@ func producerCell(ctx context.Context, e *env, p *pgxpool.Pool, o *Options, stat
 		}
 		cell.Backlog = backlog
 	}
-	d, err := dispatcher.New(p, dispatcher.Config{Routes: e.routes, Logger: e.quiet})
-	if err != nil {
-		return cell, err
+	// State "none" runs no dispatcher: the trigger's own cost, no NOTIFY
+	// (the wake lock is free).
+	var d *dispatcher.Dispatcher
+	if state != "none" {
+		var err error
+		d, err = dispatcher.New(p, dispatcher.Config{Routes: e.routes, Logger: e.quiet})
+		if err != nil {
+			return cell, err
+		}
+		if err := d.Start(ctx); err != nil {
+			return cell, err
+		}
+		defer func() {
+			sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+			defer cancel()
+			_ = d.Stop(sctx)
+		}()
 	}
-	if err := d.Start(ctx); err != nil {
-		return cell, err
+	stats := func() dispatcher.Stats {
+		if d == nil {
+			return dispatcher.Stats{}
+		}
+		return d.Stats()
 	}
-	defer func() {
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-		defer cancel()
-		_ = d.Stop(sctx)
-	}()
-	if state == "idle" {
+	switch state {
+	case "idle":
 		if err := waitWakeLock(ctx, p, 10*time.Second); err != nil {
 			return cell, err
 		}
-	} else {
+	case "busy":
 		// Wait until the dispatcher is draining.
 		for d.Stats().Batches == 0 {
 			time.Sleep(time.Millisecond)
@@ -179,7 +195,8 @@ func producerCell(ctx context.Context, e *env, p *pgxpool.Pool, o *Options, stat
 		first   atomic.Value
 		stopped atomic.Bool
 	)
-	s0 := d.Stats()
+	s0 := stats()
+	sampler := startSampler(ctx, e.admin, "bench-%")
 	start := time.Now()
 	for range clients {
 		wg.Add(1)
@@ -207,10 +224,11 @@ func producerCell(ctx context.Context, e *env, p *pgxpool.Pool, o *Options, stat
 	stopped.Store(true)
 	wg.Wait()
 	elapsed := time.Since(start)
+	cell.WaitEvents = sampler.stop()
 	if err, _ := first.Load().(error); err != nil {
 		return cell, err
 	}
-	s1 := d.Stats()
+	s1 := stats()
 	cell.Tx = n.Load()
 	cell.Seconds = elapsed.Seconds()
 	cell.TPS = float64(cell.Tx) / cell.Seconds

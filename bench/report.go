@@ -86,7 +86,7 @@ func checkGoals(r *Results) []Goal {
 		}
 	}
 	for _, c := range r.Producer {
-		if c.Variant != variantShipped || c.Clients < 8 {
+		if c.Variant != variantShipped || c.Clients < 8 || c.State == "none" {
 			continue
 		}
 		add(fmt.Sprintf("producer (a)/(b), %d clients, dispatcher %s", c.Clients, c.State), "≥ 0.9×",
@@ -136,6 +136,10 @@ func markdown(r *Results) string {
 			}
 			fmt.Fprintf(&b, "| %d × outboxd | %d | %.0f | %.2f | %.2f | %s | %.2f |\n", d.Dispatchers, d.Batch, d.PerSecond, d.Seconds, d.RawRatio, strings.Join(rss, ", "), d.CPUPer100k)
 		}
+		b.WriteString("\nWhat the dispatchers' backends were doing (pg_stat_activity samples every 10 ms, active backends):\n\n")
+		for _, d := range r.Drain.Runs {
+			fmt.Fprintf(&b, "- %d × outboxd, batch %d: %s\n", d.Dispatchers, d.Batch, strings.Join(d.WaitEvents, ", "))
+		}
 		b.WriteString("\n")
 	}
 	if len(r.Producer) > 0 {
@@ -162,6 +166,17 @@ func markdown(r *Results) string {
 				state += " (ran out of backlog)"
 			}
 			fmt.Fprintf(&b, "| %s | %d | %.0f | %.0f | %.0f | %.2f | %.2f | %d / %d / %d |\n", state, k.clients, a.TPS, bb.TPS, c.TPS, a.Ratio, c.Ratio, a.Batches, bb.Batches, c.Batches)
+		}
+		b.WriteString("\nDispatcher none: no dispatcher runs (the trigger's own cost; nobody holds the wake lock). Idle: a live dispatcher that starts idle (holding the wake lock) and hands off what the producers write. Busy: it drains a backlog throughout.\n\n")
+		b.WriteString("What the producers' and dispatcher's backends were doing at the largest client count (pg_stat_activity samples every 10 ms):\n\n")
+		maxClients := 0
+		for _, c := range r.Producer {
+			maxClients = max(maxClients, c.Clients)
+		}
+		for _, c := range r.Producer {
+			if c.Clients == maxClients {
+				fmt.Fprintf(&b, "- %s, %s: %s\n", c.State, c.Variant, strings.Join(c.WaitEvents, ", "))
+			}
 		}
 		b.WriteString("\n")
 	}
