@@ -5,6 +5,11 @@
 // Configuration comes from the environment (docs/configuration.md). A bad
 // value stops outboxd at start-up with a message naming the variable.
 // SIGTERM or SIGINT finishes the batches in flight and exits 0.
+//
+// It also runs the daily retention of done events (OUTBOX_RETENTION_ENABLED,
+// one instance at a time), sends alerts to Sentry when SENTRY_DSN is set,
+// and serves /metrics, /healthz and /readyz on OUTBOX_HTTP_ADDR when set
+// (docs/operations.md).
 package main
 
 import (
@@ -18,10 +23,16 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
 	"github.com/outboxhq/outbox/alert"
+	"github.com/outboxhq/outbox/alert/sentryalert"
 	"github.com/outboxhq/outbox/dispatcher"
 	"github.com/outboxhq/outbox/internal/config"
 	"github.com/outboxhq/outbox/internal/dbconn"
+	"github.com/outboxhq/outbox/metrics"
+	"github.com/outboxhq/outbox/retention"
 	"github.com/outboxhq/outbox/route"
 )
 
@@ -41,8 +52,19 @@ func run() int {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+
 	if !cfg.DispatcherEnabled {
 		logger.Warn("dispatcher disabled (OUTBOX_DISPATCHER_ENABLED=false): this process dispatches nothing; set OUTBOX_DISPATCHER_ENABLED=true to run it")
+		if cfg.HTTPAddr != "" {
+			stopHTTP, err := startHTTP(cfg.HTTPAddr, newHTTPHandler(reg, health{}), logger)
+			if err != nil {
+				logger.Error("cannot start the HTTP listener", slog.String("error", err.Error()))
+				return 1
+			}
+			defer func() { _ = stopHTTP(context.Background()) }()
+		}
 		<-ctx.Done()
 		logger.Info("outboxd stopped")
 		return 0
@@ -68,22 +90,91 @@ func run() int {
 	}
 	defer pool.Close()
 
+	// Alerts: Sentry when SENTRY_DSN is set (every alert is logged too),
+	// the log otherwise; counted by the metrics on the way.
+	m := metrics.New(metrics.Config{Pool: pool, Routes: routes})
+	if err := m.Register(reg); err != nil {
+		logger.Error("cannot register metrics", slog.String("error", err.Error()))
+		return 1
+	}
+	var base alert.Alerter = alert.Log{Logger: logger}
+	var sentryAl *sentryalert.Alerter
+	if cfg.SentryDSN != "" {
+		sentryAl, err = sentryalert.New(sentryalert.Config{
+			DSN:            cfg.SentryDSN,
+			Environment:    cfg.SentryEnvironment,
+			IncludePayload: cfg.SentryIncludePayload,
+			Pool:           pool,
+			Logger:         logger,
+		})
+		if err != nil {
+			logger.Error("cannot start: SENTRY_DSN", slog.String("error", err.Error()))
+			return 1
+		}
+		base = sentryAl
+		defer sentryAl.Flush(5 * time.Second)
+		logger.Info("alerts go to Sentry", slog.Bool("include_payload", cfg.SentryIncludePayload))
+	}
+	alerter := m.Alerter(base)
+
 	dcfg := cfg.Dispatcher()
 	dcfg.Routes = routes
 	dcfg.Logger = logger
-	dcfg.Alerter = alert.Log{Logger: logger}
+	dcfg.Alerter = alerter
+	dcfg.OnBatch = m.OnBatch
 	d, err := dispatcher.New(pool, dcfg)
 	if err != nil {
 		logger.Error("cannot start dispatcher", slog.String("error", err.Error()))
 		return 1
 	}
+	m.SetDispatcher(d)
+	if cfg.HTTPAddr != "" {
+		stopHTTP, err := startHTTP(cfg.HTTPAddr, newHTTPHandler(reg, health{pool: pool, d: d, dbURL: cfg.DatabaseURL}), logger)
+		if err != nil {
+			logger.Error("cannot start the HTTP listener", slog.String("error", err.Error()))
+			return 1
+		}
+		defer func() {
+			hctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			_ = stopHTTP(hctx)
+		}()
+	}
 	if err := d.Start(ctx); err != nil {
 		logger.Error("cannot start dispatcher", slog.String("error", dbconn.Redact(err.Error(), cfg.DatabaseURL)))
 		return 1
 	}
+	watchCtx, stopWatch := context.WithCancel(context.Background())
+	defer stopWatch()
+	if cfg.ListenEnabled {
+		go watchListener(watchCtx, d, alerter, time.Duration(cfg.ListenerAlertAfterMS)*time.Millisecond, time.Second)
+	}
+
+	var ret *retention.Runner
+	if cfg.RetentionEnabled {
+		host, _ := os.Hostname()
+		ret, err = retention.NewRunner(pool, retention.RunnerConfig{Config: retention.Config{
+			MaxAge:    time.Duration(cfg.DoneRetentionHours) * time.Hour,
+			BatchSize: cfg.DoneRetentionBatchSize,
+			RunBy:     fmt.Sprintf("outboxd %d@%s", os.Getpid(), host),
+			Logger:    logger,
+			OnBatch:   m.OnRetentionBatch,
+		}})
+		if err == nil {
+			err = ret.Start(ctx)
+		}
+		if err != nil {
+			logger.Error("cannot start retention", slog.String("error", err.Error()))
+			return 1
+		}
+	}
 
 	<-ctx.Done()
 	logger.Info("shutting down: finishing the batches in flight")
+	if ret != nil {
+		ret.Stop() // a purge in flight stops after its current batch
+	}
+	stopWatch()
 	sctx, cancel := context.WithTimeout(context.Background(), time.Duration(cfg.ShutdownTimeoutMS)*time.Millisecond)
 	defer cancel()
 	if err := d.Stop(sctx); err != nil && !errors.Is(err, context.Canceled) {

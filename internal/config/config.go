@@ -6,6 +6,7 @@ package config
 import (
 	"errors"
 	"fmt"
+	"net"
 	"strings"
 	"time"
 
@@ -43,6 +44,13 @@ type Config struct {
 	LogFormat         string `envconfig:"OUTBOX_LOG_FORMAT" default:"text"`
 	LogLevel          string `envconfig:"OUTBOX_LOG_LEVEL" default:"info"`
 	SentryDSN         string `envconfig:"SENTRY_DSN"`
+
+	// Operations (docs/operations.md).
+	HTTPAddr             string `envconfig:"OUTBOX_HTTP_ADDR"`
+	RetentionEnabled     bool   `envconfig:"OUTBOX_RETENTION_ENABLED" default:"true"`
+	ListenerAlertAfterMS int    `envconfig:"OUTBOX_LISTENER_ALERT_AFTER_MS" default:"60000"`
+	SentryIncludePayload bool   `envconfig:"OUTBOX_SENTRY_INCLUDE_PAYLOAD" default:"false"`
+	SentryEnvironment    string `envconfig:"SENTRY_ENVIRONMENT"`
 }
 
 // Load reads the environment and validates it.
@@ -87,6 +95,7 @@ func (c *Config) Validate() error {
 		{"OUTBOX_RIVER_FETCH_POLL_INTERVAL_MS", c.RiverFetchPollIntervalMS, 1, 600_000},
 		{"OUTBOX_DATABASE_MAX_CONNS", c.DatabaseMaxConns, 0, 10_000},
 		{"OUTBOX_SHUTDOWN_TIMEOUT_MS", c.ShutdownTimeoutMS, 0, 3_600_000},
+		{"OUTBOX_LISTENER_ALERT_AFTER_MS", c.ListenerAlertAfterMS, 1000, 86_400_000},
 	}
 	var errs []error
 	for _, r := range rules {
@@ -102,6 +111,11 @@ func (c *Config) Validate() error {
 	}
 	if c.RiverFetchPollIntervalMS < c.RiverFetchCooldownMS {
 		errs = append(errs, fmt.Errorf("configuration: OUTBOX_RIVER_FETCH_POLL_INTERVAL_MS=%d must not be shorter than OUTBOX_RIVER_FETCH_COOLDOWN_MS=%d", c.RiverFetchPollIntervalMS, c.RiverFetchCooldownMS))
+	}
+	if c.HTTPAddr != "" {
+		if _, port, err := net.SplitHostPort(c.HTTPAddr); err != nil || port == "" {
+			errs = append(errs, fmt.Errorf("configuration: OUTBOX_HTTP_ADDR=%q must be host:port, e.g. :9090 or 127.0.0.1:9090 (empty turns the HTTP listener off)", c.HTTPAddr))
+		}
 	}
 	switch c.LogFormat {
 	case "text", "json":

@@ -1,0 +1,83 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/outboxhq/outbox/dispatcher"
+	"github.com/outboxhq/outbox/internal/dbconn"
+)
+
+// health is what /readyz checks. pool is nil when outboxd runs without a
+// database (dispatcher disabled); d is nil until the dispatcher started.
+type health struct {
+	pool  *pgxpool.Pool
+	d     *dispatcher.Dispatcher
+	dbURL string // only to redact passwords from error messages
+}
+
+// newHTTPHandler serves
+//
+//	/metrics  Prometheus metrics of reg
+//	/healthz  200 while the process runs (liveness)
+//	/readyz   200 when the database answers a ping within 2 s and, when the
+//	          dispatcher is enabled, its loop runs; 503 with the reason
+//	          otherwise (readiness)
+func newHTTPHandler(reg *prometheus.Registry, h health) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg, ErrorHandling: promhttp.ContinueOnError}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		_, _ = fmt.Fprintln(w, "ok")
+	})
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		if err := h.ready(r.Context()); err != nil {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			_, _ = fmt.Fprintln(w, "not ready:", err)
+			return
+		}
+		_, _ = fmt.Fprintln(w, "ready")
+	})
+	return mux
+}
+
+func (h health) ready(ctx context.Context) error {
+	if h.pool != nil {
+		pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		if err := h.pool.Ping(pctx); err != nil {
+			return fmt.Errorf("database unreachable: %s", dbconn.Redact(err.Error(), h.dbURL))
+		}
+	}
+	if h.d != nil && !h.d.Running() {
+		return errors.New("dispatcher not running")
+	}
+	return nil
+}
+
+// startHTTP listens on addr (so a taken port fails start-up) and serves h
+// in the background. The returned function shuts the server down.
+func startHTTP(addr string, h http.Handler, logger *slog.Logger) (func(context.Context) error, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("OUTBOX_HTTP_ADDR=%s: %w", addr, err)
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+	go func() {
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			logger.Error("HTTP listener failed", slog.String("error", err.Error()))
+		}
+	}()
+	logger.Info("serving /metrics, /healthz and /readyz", slog.String("addr", ln.Addr().String()))
+	return srv.Shutdown, nil
+}

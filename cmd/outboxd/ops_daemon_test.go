@@ -1,0 +1,75 @@
+package main_test
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/outboxhq/outbox/internal/pgtest"
+)
+
+// TestDaemonServesMetricsAndRunsRetention starts outboxd with
+// OUTBOX_HTTP_ADDR: /metrics shows the dispatch, /readyz is ready, and the
+// retention job purged the old done rows at start-up.
+func TestDaemonServesMetricsAndRunsRetention(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := context.Background()
+	if _, err := s.Pool.Exec(ctx, `INSERT INTO outbox_event (event_type, payload, status, processed_at)
+		SELECT 'mail.user.welcome', '{}', 'done', now() - interval '60 days' FROM generate_series(1, 30)`); err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	routes, _ := filepath.Abs("../../docs/examples/routes.yaml")
+	cmd, out := daemon(t, "OUTBOX_DISPATCHER_ENABLED=true", "OUTBOX_ROUTES_FILE="+routes, "DATABASE_URL="+s.URL,
+		"OUTBOX_HTTP_ADDR="+addr, "OUTBOX_DONE_RETENTION_BATCH_SIZE=7", "OUTBOX_DISPATCH_INTERVAL_MS=200")
+	waitLog(t, out, "serving /metrics")
+	if _, err := s.Pool.Exec(ctx, `SELECT outbox_publish('billing.invoice.paid', '{}') FROM generate_series(1, 3)`); err != nil {
+		t.Fatal(err)
+	}
+	get := func(path string) (int, string) {
+		resp, err := http.Get("http://" + addr + path)
+		if err != nil {
+			return 0, err.Error()
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		_, body := get("/metrics")
+		if strings.Contains(body, `outbox_events_dispatched_total{route="billing."} 3`) &&
+			strings.Contains(body, "outbox_retention_deleted_total 30") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("metrics never showed 3 dispatched and 30 purged:\n%s\n--- log:\n%s", body, out.String())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if code, body := get("/readyz"); code != http.StatusOK {
+		t.Fatalf("/readyz = %d %q", code, body)
+	}
+	var left int
+	if err := s.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE processed_at < now() - interval '1 day'`).Scan(&left); err != nil || left != 0 {
+		t.Fatalf("%d old done rows left: %v", left, err)
+	}
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if code := waitExit(t, cmd, 30*time.Second); code != 0 {
+		t.Fatalf("exit %d:\n%s", code, out.String())
+	}
+}

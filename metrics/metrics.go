@@ -1,0 +1,251 @@
+// Package metrics exposes the outbox's Prometheus metrics
+// (github.com/prometheus/client_golang).
+//
+// Counters come from the dispatcher's batches (dispatcher.Config.OnBatch =
+// Metrics.OnBatch) and from its alerts (wrap the alerter with
+// Metrics.Alerter); gauges of the table (pending, due, oldest due age,
+// failed) are read from the database at scrape time with one bounded query
+// through the partial indexes; the listener's and the loop's state come
+// from the dispatcher (SetDispatcher).
+//
+// Handoff latency is measured at the end of each batch as now minus the
+// event's created_at: created_at is stamped by the database when the
+// producer's INSERT runs, a little before its commit, so the histogram
+// slightly over-states commit-to-handoff (by the producer's time between
+// insert and commit) and includes any clock skew between this host and the
+// database. Events retried after a failure carry their backoff in it too.
+//
+// Routes are labelled by the matching rule's prefix ("mail."), so the
+// label's cardinality is the number of rules; unroutable events have
+// route="none".
+package metrics
+
+import (
+	"context"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/outboxhq/outbox/alert"
+	"github.com/outboxhq/outbox/claim"
+	"github.com/outboxhq/outbox/dispatcher"
+	"github.com/outboxhq/outbox/route"
+)
+
+// Config configures New.
+type Config struct {
+	// Pool reads the table gauges at scrape time; nil leaves them out.
+	Pool *pgxpool.Pool
+	// Routes label events by rule prefix; nil labels every route "unknown".
+	Routes *route.Table
+	// QueryTimeout bounds the scrape-time query. 0 means 2 s.
+	QueryTimeout time.Duration
+}
+
+// Metrics holds the collectors. Create it with New and Register it.
+type Metrics struct {
+	cfg Config
+	d   atomic.Pointer[dispatcher.Dispatcher]
+
+	dispatched *prometheus.CounterVec
+	failed     *prometheus.CounterVec
+	jobs       prometheus.Counter
+	retried    prometheus.Counter
+	batches    prometheus.Counter
+	batchSize  prometheus.Histogram
+	latency    prometheus.Histogram
+	retention  prometheus.Counter
+	db         *dbCollector
+}
+
+// New builds the collectors.
+func New(cfg Config) *Metrics {
+	if cfg.QueryTimeout == 0 {
+		cfg.QueryTimeout = 2 * time.Second
+	}
+	m := &Metrics{cfg: cfg}
+	m.dispatched = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "outbox_events_dispatched_total",
+		Help: "Events handed to River (marked done), by route prefix.",
+	}, []string{"route"})
+	m.failed = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "outbox_events_failed_total",
+		Help: "Events moved to failed, by route prefix and reason (unroutable, dead_letter).",
+	}, []string{"route", "reason"})
+	m.jobs = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "outbox_jobs_inserted_total",
+		Help: "River jobs inserted by the dispatcher (one per event and target queue).",
+	})
+	m.retried = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "outbox_events_retried_total",
+		Help: "Failed dispatch attempts rescheduled with backoff.",
+	})
+	m.batches = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "outbox_batches_total",
+		Help: "Batches that claimed at least one event.",
+	})
+	m.batchSize = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name:    "outbox_batch_size",
+		Help:    "Events claimed per batch.",
+		Buckets: []float64{1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000},
+	})
+	m.latency = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name:    "outbox_handoff_latency_seconds",
+		Help:    "Commit-to-handoff latency: batch end minus the event's created_at (database clock at insert).",
+		Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300, 1800},
+	})
+	m.retention = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "outbox_retention_deleted_total",
+		Help: "Done events deleted by the retention job run in this process.",
+	})
+	m.db = &dbCollector{m: m}
+	return m
+}
+
+// SetDispatcher makes the listener/loop gauges and the dispatcher's
+// counters available (the dispatcher is built after Metrics, because its
+// Config takes OnBatch).
+func (m *Metrics) SetDispatcher(d *dispatcher.Dispatcher) { m.d.Store(d) }
+
+// Register registers every collector.
+func (m *Metrics) Register(reg prometheus.Registerer) error {
+	gauge := func(name, help string, f func(*dispatcher.Dispatcher) float64) prometheus.Collector {
+		return prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, func() float64 {
+			if d := m.d.Load(); d != nil {
+				return f(d)
+			}
+			return 0
+		})
+	}
+	counter := func(name, help string, f func(dispatcher.Stats) int64) prometheus.Collector {
+		return prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help}, func() float64 {
+			if d := m.d.Load(); d != nil {
+				return float64(f(d.Stats()))
+			}
+			return 0
+		})
+	}
+	cs := []prometheus.Collector{
+		m.dispatched, m.failed, m.jobs, m.retried, m.batches, m.batchSize, m.latency, m.retention, m.db,
+		gauge("outbox_listener_connected", "1 while the LISTEN connection is up (0 in poll-only mode).", func(d *dispatcher.Dispatcher) float64 { return b2f(d.ListenerConnected()) }),
+		gauge("outbox_dispatcher_running", "1 while the dispatch loop runs.", func(d *dispatcher.Dispatcher) float64 { return b2f(d.Running()) }),
+		counter("outbox_dispatcher_wakes_total", "Dispatcher wake-ups by notification.", func(s dispatcher.Stats) int64 { return s.Wakes }),
+		counter("outbox_dispatcher_polls_total", "Dispatcher wake-ups by the poll fallback.", func(s dispatcher.Stats) int64 { return s.Polls }),
+		counter("outbox_dispatcher_errors_total", "Failed dispatch passes.", func(s dispatcher.Stats) int64 { return s.Errors }),
+	}
+	for _, c := range cs {
+		if err := reg.Register(c); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func b2f(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+func (m *Metrics) routeOf(eventType string) string {
+	if m.cfg.Routes == nil {
+		return "unknown"
+	}
+	r, ok := m.cfg.Routes.Match(eventType)
+	if !ok {
+		return "none"
+	}
+	return r.Prefix
+}
+
+// OnBatch records one batch; use it as dispatcher.Config.OnBatch.
+func (m *Metrics) OnBatch(r claim.Result) {
+	m.batches.Inc()
+	m.batchSize.Observe(float64(r.Claimed))
+	m.jobs.Add(float64(r.Jobs))
+	m.retried.Add(float64(r.Retried))
+	now := time.Now()
+	for i, created := range r.CreatedAt {
+		m.latency.Observe(max(now.Sub(created).Seconds(), 0))
+		typ := ""
+		if i < len(r.Types) {
+			typ = r.Types[i]
+		}
+		m.dispatched.WithLabelValues(m.routeOf(typ)).Inc()
+	}
+}
+
+// OnRetentionBatch records rows deleted by retention; use it as
+// retention.Config.OnBatch.
+func (m *Metrics) OnRetentionBatch(deleted int) { m.retention.Add(float64(deleted)) }
+
+// Alerter returns an alerter that counts failed events (unroutable,
+// dead_letter) by route and forwards every alert to next.
+func (m *Metrics) Alerter(next alert.Alerter) alert.Alerter {
+	return alert.Func(func(ctx context.Context, a alert.Alert) {
+		switch a.Reason {
+		case alert.Unroutable, alert.DeadLetter:
+			m.failed.WithLabelValues(m.routeOf(a.EventType), string(a.Reason)).Inc()
+		}
+		if next != nil {
+			next.Alert(ctx, a)
+		}
+	})
+}
+
+// dbCollector reads the table gauges at scrape time.
+type dbCollector struct{ m *Metrics }
+
+var (
+	descPending     = prometheus.NewDesc("outbox_pending_events", "Pending events (due or scheduled later).", nil, nil)
+	descDue         = prometheus.NewDesc("outbox_pending_due_events", "Pending events that are due now.", nil, nil)
+	descBehind      = prometheus.NewDesc("outbox_pending_due_over_60s_events", "Pending events due for more than 60 s (the dispatcher is behind).", nil, nil)
+	descOldest      = prometheus.NewDesc("outbox_oldest_pending_age_seconds", "Age of the oldest due pending event, since it became due (0 when none).", nil, nil)
+	descFailedNow   = prometheus.NewDesc("outbox_failed_events", "Events in status failed (waiting for an operator).", nil, nil)
+	descProcessing  = prometheus.NewDesc("outbox_processing_events", "Events in status processing.", nil, nil)
+	descScrapeError = prometheus.NewDesc("outbox_database_up", "1 when the scrape-time query of the outbox table succeeded.", nil, nil)
+)
+
+// gaugesSQL reads every table gauge in one statement; each FILTER is over
+// rows the partial indexes (claim, processing, dead) hold, never done rows.
+const gaugesSQL = `
+SELECT count(*) FILTER (WHERE status = 'pending'),
+       count(*) FILTER (WHERE status = 'pending' AND scheduled_at <= now()),
+       count(*) FILTER (WHERE status = 'pending' AND scheduled_at <= now() - interval '60 seconds'),
+       coalesce(extract(epoch FROM now() - min(scheduled_at) FILTER (WHERE status = 'pending' AND scheduled_at <= now())), 0)::float8,
+       count(*) FILTER (WHERE status = 'failed'),
+       count(*) FILTER (WHERE status = 'processing')
+FROM outbox_event
+WHERE status IN ('pending', 'processing', 'failed')`
+
+func (c *dbCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descPending, descDue, descBehind, descOldest, descFailedNow, descProcessing, descScrapeError} {
+		ch <- d
+	}
+}
+
+func (c *dbCollector) Collect(ch chan<- prometheus.Metric) {
+	pool := c.m.cfg.Pool
+	if pool == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), c.m.cfg.QueryTimeout)
+	defer cancel()
+	var pending, due, behind, failed, processing int64
+	var oldest float64
+	err := pool.QueryRow(ctx, gaugesSQL).Scan(&pending, &due, &behind, &oldest, &failed, &processing)
+	if err != nil {
+		ch <- prometheus.MustNewConstMetric(descScrapeError, prometheus.GaugeValue, 0)
+		return
+	}
+	ch <- prometheus.MustNewConstMetric(descScrapeError, prometheus.GaugeValue, 1)
+	ch <- prometheus.MustNewConstMetric(descPending, prometheus.GaugeValue, float64(pending))
+	ch <- prometheus.MustNewConstMetric(descDue, prometheus.GaugeValue, float64(due))
+	ch <- prometheus.MustNewConstMetric(descBehind, prometheus.GaugeValue, float64(behind))
+	ch <- prometheus.MustNewConstMetric(descOldest, prometheus.GaugeValue, oldest)
+	ch <- prometheus.MustNewConstMetric(descFailedNow, prometheus.GaugeValue, float64(failed))
+	ch <- prometheus.MustNewConstMetric(descProcessing, prometheus.GaugeValue, float64(processing))
+}
