@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"regexp"
 	"sort"
 	"strconv"
@@ -305,4 +306,21 @@ func ActiveQueues(ctx context.Context, db Querier, within time.Duration) ([]stri
 	}
 	sort.Strings(names)
 	return names, nil
+}
+
+// GroupClientID returns a River client ID that names the group, the host
+// and the process, "<group>_<host>_<pid>", at most 100 characters (River's
+// limit). River records it in each job's attempted_by, so a job shows
+// which group and process ran it (`outboxctl explain`).
+func GroupClientID(group string) string {
+	host, _ := os.Hostname()
+	if host == "" {
+		host = "unknown_host"
+	}
+	host = strings.NewReplacer(".", "_", "-", "_").Replace(host)
+	id := fmt.Sprintf("%s_%s_%d", group, host, os.Getpid())
+	if len(id) > 100 {
+		id = fmt.Sprintf("%s_%d", group[:min(len(group), 60)], os.Getpid())
+	}
+	return id
 }

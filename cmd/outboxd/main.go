@@ -56,7 +56,9 @@ func run() int {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 
 	if !cfg.DispatcherEnabled {
-		logger.Warn("dispatcher disabled (OUTBOX_DISPATCHER_ENABLED=false): this process dispatches nothing; set OUTBOX_DISPATCHER_ENABLED=true to run it")
+		if !workersConfigured(cfg) {
+			logger.Warn("dispatcher disabled (OUTBOX_DISPATCHER_ENABLED=false): this process dispatches nothing; set OUTBOX_DISPATCHER_ENABLED=true to run it")
+		}
 		if cfg.HTTPAddr != "" {
 			stopHTTP, err := startHTTP(cfg.HTTPAddr, newHTTPHandler(reg, health{}), logger)
 			if err != nil {
@@ -64,6 +66,9 @@ func run() int {
 				return 1
 			}
 			defer func() { _ = stopHTTP(context.Background()) }()
+		}
+		if workersConfigured(cfg) {
+			return runWorkers(ctx, cfg, logger) // River workers only (workers.go)
 		}
 		<-ctx.Done()
 		logger.Info("outboxd stopped")
@@ -169,6 +174,12 @@ func run() int {
 		}
 	}
 
+	workers, err := startWorkers(ctx, pool, cfg, routes, logger, alerter) // nil without a worker group (workers.go)
+	if err != nil {
+		logger.Error("cannot start River workers", slog.String("error", dbconn.Redact(err.Error(), cfg.DatabaseURL)))
+		return 1
+	}
+
 	<-ctx.Done()
 	logger.Info("shutting down: finishing the batches in flight")
 	if ret != nil {
@@ -180,6 +191,9 @@ func run() int {
 	if err := d.Stop(sctx); err != nil && !errors.Is(err, context.Canceled) {
 		logger.Warn("shutdown timed out; batches in flight were rolled back and stay pending", slog.String("error", err.Error()))
 	}
+	if err := workers.stop(sctx); err != nil {
+		logger.Warn("River workers did not stop cleanly", slog.String("error", err.Error()))
+	}
 	s := d.Stats()
 	logger.Info("outboxd stopped", slog.Int64("events", s.Events), slog.Int64("jobs", s.Jobs), slog.Int64("batches", s.Batches))
 	return 0
@@ -190,7 +204,7 @@ func poolSize(cfg *config.Config) int32 {
 	if cfg.DatabaseMaxConns > 0 {
 		return int32(cfg.DatabaseMaxConns)
 	}
-	return int32(cfg.DispatchConcurrency + 4)
+	return int32(cfg.DispatchConcurrency+4) + workerConns(cfg)
 }
 
 func newLogger(cfg *config.Config) *slog.Logger {

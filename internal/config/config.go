@@ -51,6 +51,9 @@ type Config struct {
 	ListenerAlertAfterMS int    `envconfig:"OUTBOX_LISTENER_ALERT_AFTER_MS" default:"60000"`
 	SentryIncludePayload bool   `envconfig:"OUTBOX_SENTRY_INCLUDE_PAYLOAD" default:"false"`
 	SentryEnvironment    string `envconfig:"SENTRY_ENVIRONMENT"`
+
+	// River workers and queue groups (workers.go).
+	Workers
 }
 
 // Load reads the environment and validates it.
@@ -135,6 +138,7 @@ func (c *Config) Validate() error {
 			errs = append(errs, errors.New("configuration: OUTBOX_ROUTES_FILE is required when OUTBOX_DISPATCHER_ENABLED=true: the dispatcher refuses to start without routes (see docs/examples/routes.yaml)"))
 		}
 	}
+	errs = append(errs, c.validateWorkers()...)
 	return errors.Join(errs...)
 }
 

@@ -1,0 +1,189 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+
+	"github.com/outboxhq/outbox/alert"
+	"github.com/outboxhq/outbox/internal/config"
+	"github.com/outboxhq/outbox/internal/dbconn"
+	outboxriver "github.com/outboxhq/outbox/river"
+	"github.com/outboxhq/outbox/route"
+)
+
+// workerGroup is the River client that works this process's queue group
+// (OUTBOX_WORKER_QUEUES, or OUTBOX_WORKER_GROUP of OUTBOX_WORKER_GROUPS).
+//
+// outboxd cannot run your receivers: they are Go code in your service,
+// which embeds package outboxriver (docs/receivers.md). What outboxd runs is
+// the built-in handler OUTBOX_WORKER_HANDLER=log: it logs every event at
+// info level and completes its job. That is for demos, for checking routes
+// end to end, and for queues whose events only need to be drained.
+type workerGroup struct {
+	name   string
+	client *river.Client[pgx.Tx]
+	logger *slog.Logger
+}
+
+// workersConfigured reports whether this process works any queue.
+func workersConfigured(cfg *config.Config) bool {
+	_, ok := cfg.Worked()
+	return ok
+}
+
+// workerConns is how many pool connections the workers may hold: River's
+// producers fetch on their own connections, and a handler may hold one
+// per running job. The built-in log handler holds none.
+func workerConns(cfg *config.Config) int32 {
+	g, ok := cfg.Worked()
+	if !ok {
+		return 0
+	}
+	return int32(2 + 2*len(g.Queues))
+}
+
+// logHandler is the built-in "log" receiver.
+func logHandler(logger *slog.Logger) outboxriver.HandlerFunc {
+	return func(ctx context.Context, ev outboxriver.Event) error {
+		attrs := []slog.Attr{
+			slog.Int64("event_id", ev.ID),
+			slog.String("event_type", ev.Type),
+			slog.String("queue", ev.Queue),
+			slog.Int64("job_id", ev.JobID),
+			slog.Int("attempt", ev.Attempt),
+			slog.Int("payload_bytes", len(ev.Payload)),
+		}
+		if ev.TenantID != "" {
+			attrs = append(attrs, slog.String("tenant_id", ev.TenantID))
+		}
+		logger.LogAttrs(ctx, slog.LevelInfo, "event received by the built-in log handler", attrs...)
+		return nil
+	}
+}
+
+// startWorkers starts the River client of this process's group, or returns
+// nil when it works no queue. routes may be nil (no OUTBOX_ROUTES_FILE);
+// with routes, it warns about worked queues that no route targets and
+// about routed queues that no declared group works.
+func startWorkers(ctx context.Context, pool *pgxpool.Pool, cfg *config.Config, routes *route.Table, logger *slog.Logger, alerter alert.Alerter) (*workerGroup, error) {
+	group, ok := cfg.Worked()
+	if !ok {
+		return nil, nil
+	}
+	logger = logger.With(slog.String("group", group.Name))
+	checkQueues(cfg, group, routes, logger)
+
+	handlers := outboxriver.NewHandlers()
+	handlers.Handle("", logHandler(logger))
+	workers := river.NewWorkers()
+	if err := river.AddWorkerSafely(workers, outboxriver.NewWorker(handlers, outboxriver.WorkerOptions{Alerter: alerter, Logger: logger})); err != nil {
+		return nil, err
+	}
+	rcfg := outboxriver.QueuesConfig(workers, group.Queues, cfg.WorkerLatency())
+	rcfg.ID = outboxriver.GroupClientID(group.Name)
+	rcfg.Logger = logger.With(slog.String("component", "river"))
+	client, err := river.NewClient(riverpgxv5.New(pool), rcfg)
+	if err != nil {
+		return nil, fmt.Errorf("worker group %s: %w", group.Name, err)
+	}
+	if err := client.Start(ctx); err != nil {
+		return nil, fmt.Errorf("worker group %s: start River client: %w", group.Name, err)
+	}
+	qs := make([]string, len(group.Queues))
+	for i, q := range group.Queues {
+		n := q.MaxWorkers
+		if n == 0 {
+			n = outboxriver.DefaultMaxWorkers
+		}
+		qs[i] = fmt.Sprintf("%s:%d", q.Name, n)
+	}
+	logger.Info("River workers started", slog.String("queues", strings.Join(qs, ",")),
+		slog.String("handler", cfg.WorkerHandler), slog.String("client_id", rcfg.ID))
+	return &workerGroup{name: group.Name, client: client, logger: logger}, nil
+}
+
+// checkQueues warns about queues that routes and groups disagree on.
+func checkQueues(cfg *config.Config, group outboxriver.Group, routes *route.Table, logger *slog.Logger) {
+	if routes == nil {
+		logger.Info("OUTBOX_ROUTES_FILE is not set: cannot check that the worked queues are routed")
+		return
+	}
+	for _, q := range outboxriver.UnroutedQueues(routes, group.Queues) {
+		logger.Warn("this process works a queue that no route targets: its workers will wait for jobs the dispatcher never creates (a typo, or a removed route?)",
+			slog.String("queue", q), slog.String("routes_file", cfg.RoutesFile))
+	}
+	if declared := cfg.WorkerGroupsDeclared(); cfg.WorkerGroups != "" {
+		if unworked := outboxriver.UnworkedQueues(routes, declared); len(unworked) > 0 {
+			logger.Warn("routed queues that no group of OUTBOX_WORKER_GROUPS works: their jobs will pile up",
+				slog.String("queues", strings.Join(unworked, ",")))
+		}
+	}
+}
+
+// stop finishes the running jobs (soft stop) until ctx ends, then cancels
+// them (River retries a cancelled job). Safe on a nil group.
+func (w *workerGroup) stop(ctx context.Context) error {
+	if w == nil {
+		return nil
+	}
+	err := w.client.Stop(ctx)
+	if err == nil {
+		return nil
+	}
+	if !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) {
+		return err
+	}
+	w.logger.Warn("workers did not finish in time; cancelling the running jobs (River retries them)")
+	hctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	return w.client.StopAndCancel(hctx)
+}
+
+// runWorkers is outboxd with the dispatcher disabled and a worker group
+// configured: River workers only. It returns the exit status.
+func runWorkers(ctx context.Context, cfg *config.Config, logger *slog.Logger) int {
+	var routes *route.Table
+	if cfg.RoutesFile != "" {
+		var err error
+		if routes, err = route.Load(cfg.RoutesFile); err != nil {
+			logger.Error("cannot start: bad routes (OUTBOX_ROUTES_FILE)", slog.String("error", err.Error()))
+			return 1
+		}
+	}
+	size := workerConns(cfg) + 2
+	if cfg.DatabaseMaxConns > 0 {
+		size = int32(cfg.DatabaseMaxConns)
+	}
+	pool, err := dbconn.Open(ctx, cfg.DatabaseURL, dbconn.Options{MaxConns: size, Wait: 2 * time.Minute, Logger: logger})
+	if err != nil {
+		if ctx.Err() != nil {
+			return 0
+		}
+		logger.Error("cannot start: database (DATABASE_URL)", slog.String("error", err.Error()))
+		return 1
+	}
+	defer pool.Close()
+	wg, err := startWorkers(ctx, pool, cfg, routes, logger, alert.Log{Logger: logger})
+	if err != nil {
+		logger.Error("cannot start River workers", slog.String("error", dbconn.Redact(err.Error(), cfg.DatabaseURL)))
+		return 1
+	}
+	<-ctx.Done()
+	logger.Info("shutting down: finishing the running jobs")
+	sctx, cancel := context.WithTimeout(context.Background(), time.Duration(cfg.ShutdownTimeoutMS)*time.Millisecond)
+	defer cancel()
+	if err := wg.stop(sctx); err != nil {
+		logger.Warn("River workers did not stop cleanly", slog.String("error", err.Error()))
+	}
+	logger.Info("outboxd stopped")
+	return 0
+}
