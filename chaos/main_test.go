@@ -130,6 +130,9 @@ func printReport() {
 		tot.Faults += r.Faults
 	}
 	fmt.Fprintf(&b, "%-22s %8d %8d %7d %5d %6d %6d %8d %7d\n", "total", tot.Events, tot.Done, tot.Failed, tot.Lost, tot.Duplicated, tot.Stuck, tot.Phantom, tot.Faults)
+	if f, ok := soakFigures.Load().(string); ok {
+		b.WriteString("\n" + f)
+	}
 	fmt.Print(b.String())
 	if p := os.Getenv("CHAOS_REPORT"); p != "" {
 		_ = os.WriteFile(p, []byte(b.String()), 0o644)
