@@ -39,3 +39,23 @@ bench: ## the full benchmark suite (about five minutes): table on stdout, JSON a
 .PHONY: bench-quick
 bench-quick: ## the benchmark suite in quick mode (under a minute, CI: keeps it working, asserts no figures)
 	$(WITH_PG) $(GO) -C bench run . -quick $(BENCHFLAGS)
+
+CHAOS_EVENTS  ?= 60000
+SOAK_DURATION ?= 2m
+FUZZTIME      ?= 5s
+
+.PHONY: chaos
+chaos: ## the long chaos suite (CHAOS_EVENTS events in all, default 60000): per-scenario lost / duplicated / stuck report
+	$(WITH_PG) env CHAOS_EVENTS=$(CHAOS_EVENTS) $(GO) test -count=1 -timeout 120m -v -run 'TestChaos|TestLedger' ./chaos
+
+.PHONY: soak
+soak: ## steady publish rate for SOAK_DURATION (default 2m; SOAK_RATE events/s): RSS, backlog, latency over time
+	$(WITH_PG) env SOAK_DURATION=$(SOAK_DURATION) $(GO) test -count=1 -timeout 0 -v -run '^TestSoak$$' ./chaos
+
+.PHONY: fuzz
+fuzz: ## run every fuzz target for FUZZTIME (default 5s) from its checked-in seed corpus
+	$(GO) test -run '^$$' -fuzz '^FuzzValidateType$$' -fuzztime $(FUZZTIME) .
+	$(GO) test -run '^$$' -fuzz '^FuzzValidatePayload$$' -fuzztime $(FUZZTIME) .
+	$(GO) test -run '^$$' -fuzz '^FuzzParse$$' -fuzztime $(FUZZTIME) ./route
+	$(GO) test -run '^$$' -fuzz '^FuzzParse$$' -fuzztime $(FUZZTIME) ./internal/filter
+	$(GO) test -run '^$$' -fuzz '^FuzzParseRoundTrip$$' -fuzztime $(FUZZTIME) ./internal/filter
