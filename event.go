@@ -1,7 +1,6 @@
 package outbox
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -97,39 +96,133 @@ func ValidateType(t string) error {
 	return nil
 }
 
-// ValidatePayload checks a payload: valid JSON, within MaxPayloadBytes, and
-// free of \u0000 escapes.
+// ValidatePayload checks a payload: valid JSON in valid UTF-8, within
+// MaxPayloadBytes, and storable as Postgres jsonb: no \u0000, no unpaired
+// surrogate escape, no number outside numeric's range (at most 131072 digits
+// before the decimal point and 16383 after). Whatever it accepts, jsonb
+// stores, so a valid event never aborts the producer's transaction.
 func ValidatePayload(p json.RawMessage) error {
 	if len(p) > MaxPayloadBytes {
 		return fmt.Errorf("is %d bytes, the limit is %d", len(p), MaxPayloadBytes)
 	}
+	if !utf8.Valid(p) {
+		return errors.New("is not valid UTF-8")
+	}
 	if !json.Valid(p) {
 		return errors.New("is not valid JSON")
 	}
-	if hasNULEscape(p) {
-		return errors.New(`contains \u0000, which Postgres' jsonb cannot store`)
+	return jsonbProblem(p)
+}
+
+// Postgres numeric limits (digits before and after the decimal point).
+const (
+	numericMaxWeightDigits = 131072
+	numericMaxScale        = 16383
+)
+
+// jsonbProblem scans valid JSON for what jsonb refuses. Structural bytes
+// ('"', '\\', digits) never occur inside multi-byte UTF-8 sequences, so a
+// byte scan is exact.
+func jsonbProblem(p []byte) error {
+	for i := 0; i < len(p); i++ {
+		switch c := p[i]; {
+		case c == '"':
+			for i++; i < len(p) && p[i] != '"'; i++ {
+				if p[i] != '\\' {
+					continue
+				}
+				i++
+				if p[i] != 'u' {
+					continue
+				}
+				r := hex4(p[i+1 : i+5])
+				at := i - 1
+				i += 4
+				switch {
+				case r == 0:
+					return fmt.Errorf(`contains \u0000 at byte %d, which Postgres' jsonb cannot store`, at)
+				case r >= 0xD800 && r < 0xDC00:
+					if i+6 < len(p) && p[i+1] == '\\' && p[i+2] == 'u' {
+						if r2 := hex4(p[i+3 : i+7]); r2 >= 0xDC00 && r2 <= 0xDFFF {
+							i += 6
+							continue
+						}
+					}
+					return fmt.Errorf(`has an unpaired surrogate escape \u%04x at byte %d, which Postgres' jsonb cannot store`, r, at)
+				case r >= 0xDC00 && r <= 0xDFFF:
+					return fmt.Errorf(`has an unpaired surrogate escape \u%04x at byte %d, which Postgres' jsonb cannot store`, r, at)
+				}
+			}
+		case c == '-' || (c >= '0' && c <= '9'):
+			j := i
+			for j < len(p) && strings.IndexByte("+-.eE0123456789", p[j]) >= 0 {
+				j++
+			}
+			if err := checkNumber(string(p[i:j])); err != nil {
+				return fmt.Errorf("number %s at byte %d %w", truncate(string(p[i:j]), 40), i, err)
+			}
+			i = j - 1
+		}
 	}
 	return nil
 }
 
-// hasNULEscape reports whether valid JSON text contains the escape \u0000
-// (a backslash that is not itself escaped, then u0000).
-func hasNULEscape(p []byte) bool {
-	for i := 0; ; {
-		j := bytes.Index(p[i:], []byte(`u0000`))
-		if j < 0 {
-			return false
+// checkNumber checks a JSON number literal against numeric's range.
+func checkNumber(n string) error {
+	n = strings.TrimPrefix(n, "-")
+	mant, exp, hasExp := strings.Cut(strings.ToLower(n), "e")
+	intPart, frac, _ := strings.Cut(mant, ".")
+	e := 0
+	if hasExp {
+		sign := 1
+		if exp != "" && (exp[0] == '+' || exp[0] == '-') {
+			if exp[0] == '-' {
+				sign = -1
+			}
+			exp = exp[1:]
 		}
-		at := i + j
-		n := 0
-		for k := at - 1; k >= 0 && p[k] == '\\'; k-- {
-			n++
+		exp = strings.TrimLeft(exp, "0")
+		if len(exp) > 9 {
+			exp = "999999999"
 		}
-		if n%2 == 1 {
-			return true
+		for _, d := range exp {
+			e = e*10 + int(d-'0')
 		}
-		i = at + 1
+		e *= sign
 	}
+	errRange := fmt.Errorf("is outside the range of Postgres' numeric (at most %d digits before the decimal point and %d after)", numericMaxWeightDigits, numericMaxScale)
+	if len(frac)-e > numericMaxScale {
+		return errRange
+	}
+	if strings.Trim(intPart+frac, "0") == "" {
+		return nil // zero: no weight
+	}
+	var weight int
+	if t := strings.TrimLeft(intPart, "0"); t != "" {
+		weight = len(t) + e
+	} else {
+		weight = e - (len(frac) - len(strings.TrimLeft(frac, "0")))
+	}
+	if weight > numericMaxWeightDigits {
+		return errRange
+	}
+	return nil
+}
+
+func hex4(b []byte) rune {
+	var r rune
+	for _, c := range b {
+		r <<= 4
+		switch {
+		case c >= '0' && c <= '9':
+			r |= rune(c - '0')
+		case c >= 'a' && c <= 'f':
+			r |= rune(c-'a') + 10
+		case c >= 'A' && c <= 'F':
+			r |= rune(c-'A') + 10
+		}
+	}
+	return r
 }
 
 func validateEvent(i int, e *Event) error {

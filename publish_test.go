@@ -110,6 +110,11 @@ var invalidEvents = []struct {
 	{"payload NUL escape", outbox.Event{Type: "a.b.c", Payload: json.RawMessage(`{"a":"x\u0000y"}`)}, "Payload", `\u0000`},
 	{"payload NUL escape in key", outbox.Event{Type: "a.b.c", Payload: json.RawMessage(`{"\u0000":1}`)}, "Payload", `\u0000`},
 	{"payload too large", outbox.Event{Type: "a.b.c", Payload: json.RawMessage(`"` + strings.Repeat("x", outbox.MaxPayloadBytes) + `"`)}, "Payload", "limit is 1048576"},
+	{"payload invalid UTF-8", outbox.Event{Type: "a.b.c", Payload: json.RawMessage("{\"a\":\"\xff\"}")}, "Payload", "UTF-8"},
+	{"payload lone high surrogate", outbox.Event{Type: "a.b.c", Payload: json.RawMessage(`{"a":"\ud800x"}`)}, "Payload", "unpaired surrogate"},
+	{"payload lone low surrogate", outbox.Event{Type: "a.b.c", Payload: json.RawMessage(`["\udc00"]`)}, "Payload", "unpaired surrogate"},
+	{"payload number too large", outbox.Event{Type: "a.b.c", Payload: json.RawMessage(`{"n":1e131072}`)}, "Payload", "range of Postgres' numeric"},
+	{"payload number too small", outbox.Event{Type: "a.b.c", Payload: json.RawMessage(`[1e-16384]`)}, "Payload", "range of Postgres' numeric"},
 	{"tenant too long", outbox.Event{Type: "a.b.c", TenantID: strings.Repeat("t", 129)}, "TenantID", "limit is 128"},
 	{"tenant NUL", outbox.Event{Type: "a.b.c", TenantID: "a\x00b"}, "TenantID", "NUL"},
 	{"key too long", outbox.Event{Type: "a.b.c", DispatchKey: strings.Repeat("k", 257)}, "DispatchKey", "limit is 256"},
@@ -407,5 +412,27 @@ func TestValidateTypeMatchesDatabase(t *testing.T) {
 		if goOK != dbOK {
 			t.Errorf("%q: Go says %v, the database pattern says %v", c, goOK, dbOK)
 		}
+	}
+}
+
+// TestPayloadEdgesThatJsonbStores: what validation accepts at the edges of
+// jsonb's rules, Postgres stores.
+func TestPayloadEdgesThatJsonbStores(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 30*time.Second)
+	for _, p := range []string{`"\ud83d\ude00"`, `"\\u0000"`, `"\\\\\ud83d\udE00"`, `1e131071`, `-1.5e131071`, `1e-16383`, `0e999999`, `0.1e131072`, `{"a":[1,2,{"b":"ü"}]}`} {
+		if err := outbox.ValidatePayload(json.RawMessage(p)); err != nil {
+			t.Errorf("%s: %v", p, err)
+			continue
+		}
+		tx, err := s.Pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := outbox.Publish(ctx, tx, outbox.Event{Type: "a.b.c", Payload: json.RawMessage(p)}); err != nil {
+			t.Errorf("%s accepted by validation but not stored: %v", p, err)
+		}
+		_ = tx.Rollback(ctx)
 	}
 }

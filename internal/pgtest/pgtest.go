@@ -13,6 +13,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -90,13 +91,28 @@ type Options struct {
 	NoMigrate bool
 }
 
+// slots bounds the schemas alive at once in this test process (each has a
+// pool, and dispatchers add listener and lock sessions), so that `go test
+// ./...`, which runs packages in parallel, stays within max_connections.
+// PGTEST_MAX_SCHEMAS overrides the default of 4.
+var slots = func() chan struct{} {
+	n := 4
+	if v, err := strconv.Atoi(os.Getenv("PGTEST_MAX_SCHEMAS")); err == nil && v > 0 {
+		n = v
+	}
+	return make(chan struct{}, n)
+}()
+
 // NewSchema creates a fresh schema named after a random suffix, migrates it
-// and drops it when the test ends.
+// and drops it when the test ends. It waits while too many schemas are alive
+// in this process.
 func NewSchema(tb testing.TB, opts *Options) *Schema {
 	tb.Helper()
 	if opts == nil {
 		opts = &Options{}
 	}
+	slots <- struct{}{}
+	tb.Cleanup(func() { <-slots }) // registered first, so it runs last
 	admin := Admin(tb)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
