@@ -46,7 +46,7 @@ FUZZTIME      ?= 5s
 
 .PHONY: chaos
 chaos: ## the long chaos suite (CHAOS_EVENTS events in all, default 60000): per-scenario lost / duplicated / stuck report
-	$(WITH_PG) env CHAOS_EVENTS=$(CHAOS_EVENTS) $(GO) test -count=1 -timeout 120m -v -run 'TestChaos|TestLedger' ./chaos
+	$(WITH_PG) env CHAOS_EVENTS=$(CHAOS_EVENTS) $(GO) test -count=1 -timeout 120m -parallel 1 -v -run 'TestChaos|TestLedger' ./chaos
 
 .PHONY: soak
 soak: ## steady publish rate for SOAK_DURATION (default 2m; SOAK_RATE events/s): RSS, backlog, latency over time

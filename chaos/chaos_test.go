@@ -377,7 +377,7 @@ func TestChaosLateCommit(t *testing.T) {
 	n := events("late-commit")
 	late := 3
 	if long() {
-		late = 20
+		late = 8
 	}
 	d := startDaemon(t, daemonEnv(s.URL, routesFile(t), "OUTBOX_DISPATCH_INTERVAL_MS=60000"))
 	d.waitLog(t, "outbox listener connected", time.Minute)
