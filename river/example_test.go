@@ -1,0 +1,153 @@
+package outboxriver_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+
+	outboxriver "github.com/outboxhq/outbox/river"
+	"github.com/outboxhq/outbox/route"
+)
+
+func ExampleDecode() {
+	type Receipt struct {
+		InvoiceID   int64 `json:"invoice_id"`
+		AmountCents int   `json:"amount_cents"`
+	}
+	ev := outboxriver.Event{ID: 42, Type: "mail.receipt.requested", Payload: json.RawMessage(`{"invoice_id": 7, "amount_cents": 1200}`)}
+	r, err := outboxriver.Decode[Receipt](ev)
+	fmt.Println(r.InvoiceID, r.AmountCents, err)
+
+	ev.Payload = json.RawMessage(`{"invoice_id": "seven"}`)
+	_, err = outboxriver.Decode[Receipt](ev)
+	var de *outboxriver.DecodeError
+	fmt.Println(errors.As(err, &de), strings.SplitN(err.Error(), ": ", 3)[2])
+	// Output:
+	// 7 1200 <nil>
+	// true field invoice_id: JSON string cannot be a Go int64
+}
+
+func ExampleHandlers() {
+	hs := outboxriver.NewHandlers()
+	hs.HandleFunc("mail.", func(context.Context, outboxriver.Event) error { return nil })
+	hs.HandleFunc("mail.receipt.", func(context.Context, outboxriver.Event) error { return nil })
+	hs.HandleFunc("", func(context.Context, outboxriver.Event) error { return nil }) // catch-all
+
+	for _, typ := range []string{"mail.receipt.requested", "mail.welcome.sent", "audit.login.failed"} {
+		_, prefix, _ := hs.Lookup(typ)
+		fmt.Printf("%s → %q\n", typ, prefix)
+	}
+	// Output:
+	// mail.receipt.requested → "mail.receipt."
+	// mail.welcome.sent → "mail."
+	// audit.login.failed → ""
+}
+
+// A service that embeds the receivers: register handlers, add the outbox
+// Worker to River, and work the group's queues.
+func ExampleNewWorker() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, "postgres://postgres@127.0.0.1:5432/app")
+	if err != nil {
+		panic(err)
+	}
+	hs := outboxriver.NewHandlers()
+	hs.Handle("mail.", outboxriver.Typed(func(ctx context.Context, ev outboxriver.Event, p struct {
+		Email string `json:"email"`
+	}) error {
+		// ... send p.Email a mail, idempotently (see ExampleWithClaim) ...
+		return nil
+	}))
+	workers := river.NewWorkers()
+	river.AddWorker(workers, outboxriver.NewWorker(hs, outboxriver.WorkerOptions{}))
+
+	queues, err := outboxriver.ParseQueues("outbox_mail:20,outbox_webhook")
+	if err != nil {
+		panic(err)
+	}
+	cfg := outboxriver.QueuesConfig(workers, queues, outboxriver.WorkerLatency{})
+	cfg.ID = outboxriver.GroupClientID("mail")
+	client, err := river.NewClient(riverpgxv5.New(pool), cfg)
+	if err != nil {
+		panic(err)
+	}
+	if err := client.Start(ctx); err != nil {
+		panic(err)
+	}
+}
+
+// A same-database effect, exactly once: the ledger row, the receipt and
+// the job's completion commit together.
+func ExampleWithIdempotency() {
+	pool := (*pgxpool.Pool)(nil) // your pool
+	ledger := outboxriver.Receiver{Name: "billing.ledger"}
+
+	handler := func(ctx context.Context, ev outboxriver.Event) error {
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		defer func() { _ = tx.Rollback(ctx) }()
+		_, err = outboxriver.WithIdempotency(ctx, tx, ledger, ev, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, `INSERT INTO ledger (event_id, amount_cents) VALUES ($1, ($2::jsonb->>'amount_cents')::int)`, ev.ID, ev.Payload)
+			return err
+		})
+		if err != nil {
+			return err
+		}
+		return tx.Commit(ctx) // the last step: this commit completes the job
+	}
+	_ = outboxriver.HandlerFunc(handler)
+}
+
+// An external effect: claimed before the call, released if it fails, and
+// its result returned to duplicate deliveries.
+func ExampleWithClaim() {
+	pool := (*pgxpool.Pool)(nil)                             // your pool
+	webhook := outboxriver.Receiver{Name: "partner-webhook"} // TTL 24 h
+
+	handler := func(ctx context.Context, ev outboxriver.Event) error {
+		status, duplicate, err := outboxriver.WithClaim(ctx, pool, webhook, ev, func(ctx context.Context) (int, error) {
+			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "https://partner.example/hook", strings.NewReader(string(ev.Payload)))
+			req.Header.Set("Idempotency-Key", fmt.Sprint(ev.ID)) // for the crash-inside-the-call window
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				return 0, err
+			}
+			defer resp.Body.Close()
+			if resp.StatusCode >= 300 {
+				return 0, fmt.Errorf("partner answered %s", resp.Status) // releases the claim: River retries
+			}
+			return resp.StatusCode, nil
+		})
+		if err != nil {
+			return err // includes ErrClaimHeld: another delivery is running it
+		}
+		_, _ = status, duplicate
+		return nil
+	}
+	_ = outboxriver.HandlerFunc(handler)
+}
+
+func ExampleUnworkedQueues() {
+	routes, _ := route.New([]route.Rule{
+		{Prefix: "mail.", Queues: []string{"outbox_mail"}},
+		{Prefix: "workflow.", Queues: []string{"outbox_workflow"}},
+		{Prefix: "search.index.", Queues: []string{"outbox_search-index"}},
+	})
+	groups, _ := outboxriver.ParseGroups("general=outbox_workflow;mail=outbox_mail:20,outbox_webhook")
+	fmt.Println("routed, worked by no group:", outboxriver.UnworkedQueues(routes, groups))
+	mail, _ := outboxriver.FindGroup(groups, "mail")
+	fmt.Println("worked by mail, routed by nothing:", outboxriver.UnroutedQueues(routes, mail.Queues))
+	// Output:
+	// routed, worked by no group: [outbox_search-index]
+	// worked by mail, routed by nothing: [outbox_webhook]
+}
