@@ -181,5 +181,10 @@ func producerPlot(r *Results, path string) error {
 	p.Legend.Left = true
 	p.NominalX(labels...)
 	p.Y.Min = 0
+	top := 0.0
+	for _, c := range r.Producer {
+		top = max(top, c.TPS)
+	}
+	p.Y.Max = top * 1.3
 	return p.Save(8*vg.Inch, 4.5*vg.Inch, path)
 }

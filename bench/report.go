@@ -62,7 +62,7 @@ func checkGoals(r *Results) []Goal {
 		e := notify.EndToEnd
 		if direct != nil && direct.EndToEnd != nil {
 			diff := e.P50 - direct.EndToEnd.P50
-			add("end-to-end p50 vs river-direct", "within 1.5 ms", fmt.Sprintf("+%.2f ms (%.2f vs %.2f ms)", diff, e.P50, direct.EndToEnd.P50), diff <= 1.5)
+			add("end-to-end p50 vs river-direct", "within 1.5 ms", fmt.Sprintf("%+.2f ms (%.2f vs %.2f ms)", diff, e.P50, direct.EndToEnd.P50), diff <= 1.5)
 		}
 		add("end-to-end p99", "≤ 10 ms", fmt.Sprintf("%.2f ms", e.P99), e.P99 <= 10)
 	}
