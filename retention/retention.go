@@ -29,6 +29,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	outboxriver "github.com/outboxhq/outbox/river"
 )
 
 // JobName is the job's name in outbox_job_run, in logs and in the audit.
@@ -106,6 +108,9 @@ type Result struct {
 	Cutoff time.Time `json:"cutoff"`
 	// DryRun is true when nothing was deleted on purpose.
 	DryRun bool `json:"dry_run"`
+	// ReceiptsDeleted counts receiver receipts and claims past their TTL
+	// (outbox_receipt) deleted by the same run (for a dry run: that would be).
+	ReceiptsDeleted int64 `json:"receipts_deleted"`
 }
 
 // deleteBatchSQL deletes one batch. The CTE picks the oldest done rows past
@@ -225,6 +230,9 @@ func runLocked(ctx context.Context, pool *pgxpool.Pool, cfg *Config, dryRun bool
 		if err := pool.QueryRow(ctx, countSQL, res.Cutoff).Scan(&res.Deleted); err != nil {
 			return res, fmt.Errorf("retention: count: %w", err)
 		}
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox_receipt WHERE expires_at < now()`).Scan(&res.ReceiptsDeleted); err != nil {
+			return res, fmt.Errorf("retention: count expired receipts: %w", err)
+		}
 		return res, nil
 	}
 
@@ -235,6 +243,9 @@ func runLocked(ctx context.Context, pool *pgxpool.Pool, cfg *Config, dryRun bool
 		slog.Time("cutoff", res.Cutoff), slog.Int("batch_size", cfg.BatchSize))
 	started := time.Now()
 	runErr := deleteAll(ctx, pool, cfg, &res)
+	if runErr == nil {
+		runErr = purgeReceipts(ctx, pool, cfg, &res)
+	}
 
 	var errText *string
 	if runErr != nil {
@@ -255,6 +266,26 @@ func runLocked(ctx context.Context, pool *pgxpool.Pool, cfg *Config, dryRun bool
 	}
 	cfg.Logger.LogAttrs(ctx, level, "retention run finished", attrs...)
 	return res, runErr
+}
+
+// purgeReceipts deletes receiver receipts past their TTL, batch by batch
+// (outboxriver.PurgeReceipts).
+func purgeReceipts(ctx context.Context, pool *pgxpool.Pool, cfg *Config, res *Result) error {
+	for {
+		if err := ctx.Err(); err != nil {
+			return fmt.Errorf("retention: stopped purging receipts after %d rows: %w", res.ReceiptsDeleted, err)
+		}
+		bctx, cancel := context.WithTimeout(ctx, cfg.BatchTimeout)
+		n, err := outboxriver.PurgeReceipts(bctx, pool, cfg.BatchSize)
+		cancel()
+		if err != nil {
+			return fmt.Errorf("retention: purge receipts: %w", err)
+		}
+		res.ReceiptsDeleted += n
+		if n < int64(cfg.BatchSize) {
+			return nil
+		}
+	}
 }
 
 func deleteAll(ctx context.Context, pool *pgxpool.Pool, cfg *Config, res *Result) error {

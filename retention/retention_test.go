@@ -332,3 +332,40 @@ func TestConfig(t *testing.T) {
 		t.Errorf("Run without MaxAge = %v, want an error naming OUTBOX_DONE_RETENTION_HOURS", err)
 	}
 }
+
+func TestRunPurgesExpiredReceipts(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	_, err := s.Pool.Exec(ctx, `
+		INSERT INTO outbox_receipt (receiver, event_id, state, expires_at)
+		SELECT 'mailer', g, 'done', now() - interval '1 hour' FROM generate_series(1, 25) g;
+		INSERT INTO outbox_receipt (receiver, event_id, state, expires_at)
+		SELECT 'mailer', g, 'done', now() + interval '1 hour' FROM generate_series(100, 104) g;`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := retention.Config{MaxAge: time.Hour, BatchSize: 10}
+	dry, err := retention.Run(ctx, s.Pool, cfg, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := retention.Run(ctx, s.Pool, cfg, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dry.ReceiptsDeleted != 25 || res.ReceiptsDeleted != 25 {
+		t.Fatalf("dry run counted %d, run deleted %d; want 25 and 25", dry.ReceiptsDeleted, res.ReceiptsDeleted)
+	}
+	var left int
+	if err := s.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_receipt WHERE expires_at > now()`).Scan(&left); err != nil {
+		t.Fatal(err)
+	}
+	var total int
+	if err := s.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_receipt`).Scan(&total); err != nil {
+		t.Fatal(err)
+	}
+	if left != 5 || total != 5 {
+		t.Fatalf("%d live of %d receipts left, want 5 of 5", left, total)
+	}
+}
