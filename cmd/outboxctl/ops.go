@@ -543,6 +543,7 @@ type statsResult struct {
 	Queues                []queueStats     `json:"queues"`
 	StalledAfterS         float64          `json:"stalled_after_seconds"`
 	WorkedQueuesKnown     bool             `json:"worked_queues_known"`
+	WorkedQueuesSource    string           `json:"worked_queues_source,omitempty"`
 	UnworkedRoutes        []unworkedRoute  `json:"unworked_routes"`
 	Alerts                []statsAlert     `json:"alerts"`
 	RetentionLastFinished *time.Time       `json:"retention_last_finished_at"`
@@ -589,9 +590,34 @@ func runStats(ctx context.Context, c *cli, args []string) error {
 	if err != nil {
 		return err
 	}
+	// Without an explicit list, the worked queues come from the declared
+	// worker groups (OUTBOX_WORKER_GROUPS), else from the queues River
+	// workers have reported recently in river_queue.
+	workedSource := "--worked-queues"
+	if !workedKnown && routes != nil {
+		if spec := os.Getenv("OUTBOX_WORKER_GROUPS"); strings.TrimSpace(spec) != "" {
+			groups, err := outboxriver.ParseGroups(spec)
+			if err != nil {
+				return usagef("OUTBOX_WORKER_GROUPS: %v", err)
+			}
+			for _, g := range groups {
+				workedSet = append(workedSet, g.QueueNames()...)
+			}
+			workedKnown, workedSource = true, "OUTBOX_WORKER_GROUPS"
+		} else {
+			active, err := outboxriver.ActiveQueues(ctx, pool, 0)
+			if err != nil {
+				return err
+			}
+			workedSet, workedKnown, workedSource = active, true, "river_queue (workers seen recently)"
+		}
+	}
 	res, err := collectStats(ctx, pool, *stalledAfter, routes, workedSet, workedKnown)
 	if err != nil {
 		return err
+	}
+	if workedKnown {
+		res.WorkedQueuesSource = workedSource
 	}
 
 	alertIf := func(name string, value, threshold float64, msg string) {
@@ -751,7 +777,7 @@ func printStats(w io.Writer, r *statsResult) {
 		fmt.Fprintln(w, "(no outbox River jobs; pass --routes to list the route queues)")
 	}
 	if !r.WorkedQueuesKnown {
-		fmt.Fprintln(w, "\nworked queues unknown: pass --worked-queues or set OUTBOX_WORKED_QUEUES to find routes nobody works")
+		fmt.Fprintln(w, "\nworked queues unknown: pass --routes (and --worked-queues, OUTBOX_WORKED_QUEUES or OUTBOX_WORKER_GROUPS) to find routes nobody works")
 	}
 	for _, u := range r.UnworkedRoutes {
 		fmt.Fprintf(w, "route %q sends to queue %s, which no worker group works\n", u.Prefix, u.Queue)
