@@ -68,7 +68,7 @@ func run() int {
 	flag.IntVar(&o.Concurrency, "concurrency", 0, "drain: OUTBOX_DISPATCH_CONCURRENCY of each outboxd (0: its default, 10)")
 	flag.StringVar(&clients, "clients", "1,8,32", "producer: client counts")
 	flag.DurationVar(&o.ProducerDuration, "producer-duration", 4*time.Second, "producer: measurement time per cell")
-	flag.BoolVar(&o.Quick, "quick", false, "quick mode (CI): 3 s latency runs, N=10000, 1 s producer cells")
+	flag.BoolVar(&o.Quick, "quick", false, "quick mode (CI): 2 s latency runs, N=10000, 0.7 s producer cells")
 	flag.StringVar(&o.Out, "out", "", "output directory (default results/<timestamp>)")
 	flag.StringVar(&o.Repo, "repo", "..", "root of the outbox module (to build cmd/outboxd)")
 	flag.StringVar(&o.URL, "db", "", "server connection string (default TEST_DATABASE_URL, DATABASE_URL, postgres://postgres@127.0.0.1:5432/postgres)")
@@ -80,13 +80,13 @@ func run() int {
 	flag.Visit(func(f *flag.Flag) { set[f.Name] = true })
 	if o.Quick {
 		if !set["duration"] {
-			o.Duration = 3 * time.Second
+			o.Duration = 2 * time.Second
 		}
 		if !set["n"] {
 			o.N = 10_000
 		}
 		if !set["producer-duration"] {
-			o.ProducerDuration = time.Second
+			o.ProducerDuration = 700 * time.Millisecond
 		}
 	}
 	var err error
