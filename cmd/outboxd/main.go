@@ -8,8 +8,10 @@
 //
 // It also runs the daily retention of done events (OUTBOX_RETENTION_ENABLED,
 // one instance at a time), sends alerts to Sentry when SENTRY_DSN is set,
-// and serves /metrics, /healthz and /readyz on OUTBOX_HTTP_ADDR when set
-// (docs/operations.md).
+// serves /metrics, /healthz and /readyz on OUTBOX_HTTP_ADDR when set
+// (docs/operations.md), and works a River queue group when
+// OUTBOX_WORKER_QUEUES or OUTBOX_WORKER_GROUP is set, with or without the
+// dispatcher (docs/receivers.md).
 package main
 
 import (
@@ -55,10 +57,8 @@ func run() int {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 
-	if !cfg.DispatcherEnabled {
-		if !workersConfigured(cfg) {
-			logger.Warn("dispatcher disabled (OUTBOX_DISPATCHER_ENABLED=false): this process dispatches nothing; set OUTBOX_DISPATCHER_ENABLED=true to run it")
-		}
+	if !cfg.DispatcherEnabled && !workersConfigured(cfg) {
+		logger.Warn("dispatcher disabled (OUTBOX_DISPATCHER_ENABLED=false) and no worker queues: this process dispatches nothing; set OUTBOX_DISPATCHER_ENABLED=true to run it")
 		if cfg.HTTPAddr != "" {
 			stopHTTP, err := startHTTP(cfg.HTTPAddr, newHTTPHandler(reg, health{}), logger)
 			if err != nil {
@@ -67,18 +67,19 @@ func run() int {
 			}
 			defer func() { _ = stopHTTP(context.Background()) }()
 		}
-		if workersConfigured(cfg) {
-			return runWorkers(ctx, cfg, logger) // River workers only (workers.go)
-		}
 		<-ctx.Done()
 		logger.Info("outboxd stopped")
 		return 0
 	}
 
-	routes, err := route.Load(cfg.RoutesFile)
-	if err != nil {
-		logger.Error("cannot start: bad routes (OUTBOX_ROUTES_FILE)", slog.String("error", err.Error()))
-		return 1
+	// Routes: required by the dispatcher; optional for a worker-only
+	// process, which uses them to warn about unrouted queues.
+	var routes *route.Table
+	if cfg.RoutesFile != "" {
+		if routes, err = route.Load(cfg.RoutesFile); err != nil {
+			logger.Error("cannot start: bad routes (OUTBOX_ROUTES_FILE)", slog.String("error", err.Error()))
+			return 1
+		}
 	}
 
 	pool, err := dbconn.Open(ctx, cfg.DatabaseURL, dbconn.Options{
@@ -103,9 +104,8 @@ func run() int {
 		return 1
 	}
 	var base alert.Alerter = alert.Log{Logger: logger}
-	var sentryAl *sentryalert.Alerter
 	if cfg.SentryDSN != "" {
-		sentryAl, err = sentryalert.New(sentryalert.Config{
+		sentryAl, err := sentryalert.New(sentryalert.Config{
 			DSN:            cfg.SentryDSN,
 			Environment:    cfg.SentryEnvironment,
 			IncludePayload: cfg.SentryIncludePayload,
@@ -122,17 +122,22 @@ func run() int {
 	}
 	alerter := m.Alerter(base)
 
-	dcfg := cfg.Dispatcher()
-	dcfg.Routes = routes
-	dcfg.Logger = logger
-	dcfg.Alerter = alerter
-	dcfg.OnBatch = m.OnBatch
-	d, err := dispatcher.New(pool, dcfg)
-	if err != nil {
-		logger.Error("cannot start dispatcher", slog.String("error", err.Error()))
-		return 1
+	var d *dispatcher.Dispatcher
+	if cfg.DispatcherEnabled {
+		dcfg := cfg.Dispatcher()
+		dcfg.Routes = routes
+		dcfg.Logger = logger
+		dcfg.Alerter = alerter
+		dcfg.OnBatch = m.OnBatch
+		if d, err = dispatcher.New(pool, dcfg); err != nil {
+			logger.Error("cannot start dispatcher", slog.String("error", err.Error()))
+			return 1
+		}
+		m.SetDispatcher(d)
+	} else {
+		logger.Info("dispatcher disabled (OUTBOX_DISPATCHER_ENABLED=false): this process only runs River workers")
 	}
-	m.SetDispatcher(d)
+
 	if cfg.HTTPAddr != "" {
 		stopHTTP, err := startHTTP(cfg.HTTPAddr, newHTTPHandler(reg, health{pool: pool, d: d, dbURL: cfg.DatabaseURL}), logger)
 		if err != nil {
@@ -145,66 +150,89 @@ func run() int {
 			_ = stopHTTP(hctx)
 		}()
 	}
-	if err := d.Start(ctx); err != nil {
-		logger.Error("cannot start dispatcher", slog.String("error", dbconn.Redact(err.Error(), cfg.DatabaseURL)))
-		return 1
-	}
-	watchCtx, stopWatch := context.WithCancel(context.Background())
-	defer stopWatch()
-	if cfg.ListenEnabled {
-		go watchListener(watchCtx, d, alerter, time.Duration(cfg.ListenerAlertAfterMS)*time.Millisecond, time.Second)
-	}
 
-	var ret *retention.Runner
-	if cfg.RetentionEnabled {
-		host, _ := os.Hostname()
-		ret, err = retention.NewRunner(pool, retention.RunnerConfig{Config: retention.Config{
-			MaxAge:    time.Duration(cfg.DoneRetentionHours) * time.Hour,
-			BatchSize: cfg.DoneRetentionBatchSize,
-			RunBy:     fmt.Sprintf("outboxd %d@%s", os.Getpid(), host),
-			Logger:    logger,
-			OnBatch:   m.OnRetentionBatch,
-		}})
-		if err == nil {
-			err = ret.Start(ctx)
-		}
-		if err != nil {
-			logger.Error("cannot start retention", slog.String("error", err.Error()))
+	var (
+		ret      *retention.Runner
+		watching = make(chan struct{})
+	)
+	watchCtx, stopWatch := context.WithCancel(context.Background())
+	if d != nil {
+		if err := d.Start(ctx); err != nil {
+			stopWatch()
+			logger.Error("cannot start dispatcher", slog.String("error", dbconn.Redact(err.Error(), cfg.DatabaseURL)))
 			return 1
 		}
+		if cfg.ListenEnabled {
+			go func() {
+				defer close(watching)
+				watchListener(watchCtx, d, alerter, time.Duration(cfg.ListenerAlertAfterMS)*time.Millisecond, time.Second)
+			}()
+		} else {
+			close(watching)
+		}
+		if cfg.RetentionEnabled {
+			host, _ := os.Hostname()
+			ret, err = retention.NewRunner(pool, retention.RunnerConfig{Config: retention.Config{
+				MaxAge:    time.Duration(cfg.DoneRetentionHours) * time.Hour,
+				BatchSize: cfg.DoneRetentionBatchSize,
+				RunBy:     fmt.Sprintf("outboxd %d@%s", os.Getpid(), host),
+				Logger:    logger,
+				OnBatch:   m.OnRetentionBatch,
+			}})
+			if err == nil {
+				err = ret.Start(ctx)
+			}
+			if err != nil {
+				stopWatch()
+				logger.Error("cannot start retention", slog.String("error", err.Error()))
+				return 1
+			}
+		}
+	} else {
+		close(watching)
 	}
 
 	workers, err := startWorkers(ctx, pool, cfg, routes, logger, alerter) // nil without a worker group (workers.go)
 	if err != nil {
+		stopWatch()
 		logger.Error("cannot start River workers", slog.String("error", dbconn.Redact(err.Error(), cfg.DatabaseURL)))
 		return 1
 	}
 
 	<-ctx.Done()
-	logger.Info("shutting down: finishing the batches in flight")
+	logger.Info("shutting down: finishing the batches and jobs in flight")
 	if ret != nil {
 		ret.Stop() // a purge in flight stops after its current batch
 	}
 	stopWatch()
+	<-watching
 	sctx, cancel := context.WithTimeout(context.Background(), time.Duration(cfg.ShutdownTimeoutMS)*time.Millisecond)
 	defer cancel()
-	if err := d.Stop(sctx); err != nil && !errors.Is(err, context.Canceled) {
-		logger.Warn("shutdown timed out; batches in flight were rolled back and stay pending", slog.String("error", err.Error()))
+	var s dispatcher.Stats
+	if d != nil {
+		if err := d.Stop(sctx); err != nil && !errors.Is(err, context.Canceled) {
+			logger.Warn("shutdown timed out; batches in flight were rolled back and stay pending", slog.String("error", err.Error()))
+		}
+		s = d.Stats()
 	}
 	if err := workers.stop(sctx); err != nil {
 		logger.Warn("River workers did not stop cleanly", slog.String("error", err.Error()))
 	}
-	s := d.Stats()
 	logger.Info("outboxd stopped", slog.Int64("events", s.Events), slog.Int64("jobs", s.Jobs), slog.Int64("batches", s.Batches))
 	return 0
 }
 
-// poolSize leaves room for every batch in flight plus the heartbeat.
+// poolSize leaves room for every batch in flight plus the heartbeat,
+// retention and metrics, and for the workers.
 func poolSize(cfg *config.Config) int32 {
 	if cfg.DatabaseMaxConns > 0 {
 		return int32(cfg.DatabaseMaxConns)
 	}
-	return int32(cfg.DispatchConcurrency+4) + workerConns(cfg)
+	n := workerConns(cfg) + 2
+	if cfg.DispatcherEnabled {
+		n += int32(cfg.DispatchConcurrency + 4)
+	}
+	return n
 }
 
 func newLogger(cfg *config.Config) *slog.Logger {

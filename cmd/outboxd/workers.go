@@ -15,7 +15,6 @@ import (
 
 	"github.com/outboxhq/outbox/alert"
 	"github.com/outboxhq/outbox/internal/config"
-	"github.com/outboxhq/outbox/internal/dbconn"
 	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
 )
@@ -146,44 +145,4 @@ func (w *workerGroup) stop(ctx context.Context) error {
 	hctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
 	return w.client.StopAndCancel(hctx)
-}
-
-// runWorkers is outboxd with the dispatcher disabled and a worker group
-// configured: River workers only. It returns the exit status.
-func runWorkers(ctx context.Context, cfg *config.Config, logger *slog.Logger) int {
-	var routes *route.Table
-	if cfg.RoutesFile != "" {
-		var err error
-		if routes, err = route.Load(cfg.RoutesFile); err != nil {
-			logger.Error("cannot start: bad routes (OUTBOX_ROUTES_FILE)", slog.String("error", err.Error()))
-			return 1
-		}
-	}
-	size := workerConns(cfg) + 2
-	if cfg.DatabaseMaxConns > 0 {
-		size = int32(cfg.DatabaseMaxConns)
-	}
-	pool, err := dbconn.Open(ctx, cfg.DatabaseURL, dbconn.Options{MaxConns: size, Wait: 2 * time.Minute, Logger: logger})
-	if err != nil {
-		if ctx.Err() != nil {
-			return 0
-		}
-		logger.Error("cannot start: database (DATABASE_URL)", slog.String("error", err.Error()))
-		return 1
-	}
-	defer pool.Close()
-	wg, err := startWorkers(ctx, pool, cfg, routes, logger, alert.Log{Logger: logger})
-	if err != nil {
-		logger.Error("cannot start River workers", slog.String("error", dbconn.Redact(err.Error(), cfg.DatabaseURL)))
-		return 1
-	}
-	<-ctx.Done()
-	logger.Info("shutting down: finishing the running jobs")
-	sctx, cancel := context.WithTimeout(context.Background(), time.Duration(cfg.ShutdownTimeoutMS)*time.Millisecond)
-	defer cancel()
-	if err := wg.stop(sctx); err != nil {
-		logger.Warn("River workers did not stop cleanly", slog.String("error", err.Error()))
-	}
-	logger.Info("outboxd stopped")
-	return 0
 }
