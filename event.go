@@ -97,10 +97,12 @@ func ValidateType(t string) error {
 }
 
 // ValidatePayload checks a payload: valid JSON in valid UTF-8, within
-// MaxPayloadBytes, and storable as Postgres jsonb: no \u0000, no unpaired
-// surrogate escape, no number outside numeric's range (at most 131072 digits
-// before the decimal point and 16383 after). Whatever it accepts, jsonb
-// stores, so a valid event never aborts the producer's transaction.
+// MaxPayloadBytes both as given and as Postgres prints the jsonb (numbers in
+// plain decimal, a space after every ':' and ','), and storable as jsonb: no
+// \u0000, no unpaired surrogate escape, no number outside numeric's range
+// (at most 131072 digits before the decimal point and 16383 after).
+// Whatever it accepts, the table stores, so a valid event never aborts the
+// producer's transaction.
 func ValidatePayload(p json.RawMessage) error {
 	if len(p) > MaxPayloadBytes {
 		return fmt.Errorf("is %d bytes, the limit is %d", len(p), MaxPayloadBytes)
@@ -120,12 +122,19 @@ const (
 	numericMaxScale        = 16383
 )
 
-// jsonbProblem scans valid JSON for what jsonb refuses. Structural bytes
-// ('"', '\\', digits) never occur inside multi-byte UTF-8 sequences, so a
-// byte scan is exact.
+// jsonbProblem scans valid JSON for what jsonb refuses, and bounds the size
+// of the jsonb's text form (which is what the table's CHECK and
+// outbox_publish measure). Structural bytes ('"', '\\', digits, ':', ',')
+// never occur inside multi-byte UTF-8 sequences, so a byte scan is exact.
+// Strings never grow in the text form, numbers may (1e999 prints 1000
+// digits), and separators gain one space each: the estimate is an upper
+// bound.
 func jsonbProblem(p []byte) error {
+	textLen := len(p)
 	for i := 0; i < len(p); i++ {
 		switch c := p[i]; {
+		case c == ':' || c == ',':
+			textLen++
 		case c == '"':
 			for i++; i < len(p) && p[i] != '"'; i++ {
 				if p[i] != '\\' {
@@ -158,18 +167,31 @@ func jsonbProblem(p []byte) error {
 			for j < len(p) && strings.IndexByte("+-.eE0123456789", p[j]) >= 0 {
 				j++
 			}
-			if err := checkNumber(string(p[i:j])); err != nil {
+			plain, err := checkNumber(string(p[i:j]))
+			if err != nil {
 				return fmt.Errorf("number %s at byte %d %w", truncate(string(p[i:j]), 40), i, err)
+			}
+			textLen += plain - (j - i)
+			if textLen > MaxPayloadBytes {
+				return fmt.Errorf("grows past %d bytes as Postgres prints it (number %s at byte %d is %d digits in plain decimal), the limit is %d", MaxPayloadBytes, truncate(string(p[i:j]), 40), i, plain, MaxPayloadBytes)
 			}
 			i = j - 1
 		}
 	}
+	if textLen > MaxPayloadBytes {
+		return fmt.Errorf("is %d bytes as Postgres prints it (a space after every ':' and ','), the limit is %d", textLen, MaxPayloadBytes)
+	}
 	return nil
 }
 
-// checkNumber checks a JSON number literal against numeric's range.
-func checkNumber(n string) error {
-	n = strings.TrimPrefix(n, "-")
+// checkNumber checks a JSON number literal against numeric's range and
+// returns its length in plain decimal, as Postgres prints it.
+func checkNumber(n string) (int, error) {
+	sign := 0
+	if strings.HasPrefix(n, "-") {
+		sign = 1
+		n = n[1:]
+	}
 	mant, exp, hasExp := strings.Cut(strings.ToLower(n), "e")
 	intPart, frac, _ := strings.Cut(mant, ".")
 	e := 0
@@ -191,22 +213,26 @@ func checkNumber(n string) error {
 		e *= sign
 	}
 	errRange := fmt.Errorf("is outside the range of Postgres' numeric (at most %d digits before the decimal point and %d after)", numericMaxWeightDigits, numericMaxScale)
-	if len(frac)-e > numericMaxScale {
-		return errRange
+	scale := max(0, len(frac)-e)
+	if scale > numericMaxScale {
+		return 0, errRange
 	}
-	if strings.Trim(intPart+frac, "0") == "" {
-		return nil // zero: no weight
-	}
-	var weight int
-	if t := strings.TrimLeft(intPart, "0"); t != "" {
-		weight = len(t) + e
-	} else {
-		weight = e - (len(frac) - len(strings.TrimLeft(frac, "0")))
+	weight := 0 // digits before the decimal point; 0 for zero
+	if strings.Trim(intPart+frac, "0") != "" {
+		if t := strings.TrimLeft(intPart, "0"); t != "" {
+			weight = len(t) + e
+		} else {
+			weight = e - (len(frac) - len(strings.TrimLeft(frac, "0")))
+		}
 	}
 	if weight > numericMaxWeightDigits {
-		return errRange
+		return 0, errRange
 	}
-	return nil
+	plain := sign + max(weight, 1)
+	if scale > 0 {
+		plain += 1 + scale
+	}
+	return plain, nil
 }
 
 func hex4(b []byte) rune {

@@ -436,3 +436,35 @@ func TestPayloadEdgesThatJsonbStores(t *testing.T) {
 		_ = tx.Rollback(ctx)
 	}
 }
+
+// TestPayloadTextExpansionIsBounded: a short payload whose numbers print as
+// hundreds of kilobytes of digits is refused by validation, not by the
+// table's CHECK (which would abort the producer's transaction).
+func TestPayloadTextExpansionIsBounded(t *testing.T) {
+	t.Parallel()
+	big := "[" + strings.Repeat("1e131071,", 16) + "1e131071]"
+	err := outbox.ValidatePayload(json.RawMessage(big))
+	if err == nil || !strings.Contains(err.Error(), "as Postgres prints it") {
+		t.Fatalf("err = %v", err)
+	}
+	// Seven such numbers (~917 KB of digits) fit, and Postgres agrees.
+	fits := "[" + strings.Repeat("1e131071,", 6) + "1e131071]"
+	if err := outbox.ValidatePayload(json.RawMessage(fits)); err != nil {
+		t.Fatalf("%v", err)
+	}
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 30*time.Second)
+	var n int
+	if err := s.Pool.QueryRow(ctx, `SELECT octet_length($1::jsonb::text)`, fits).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n > outbox.MaxPayloadBytes {
+		t.Fatalf("accepted payload prints as %d bytes", n)
+	}
+	if err := pgx.BeginFunc(ctx, s.Pool, func(tx pgx.Tx) error {
+		_, err := outbox.Publish(ctx, tx, outbox.Event{Type: "a.b.c", Payload: json.RawMessage(fits)})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
