@@ -61,6 +61,11 @@ type Config struct {
 	PingInterval   time.Duration
 	// WakeLockTimeout bounds the wait for the wake lock. 0 means 250 ms.
 	WakeLockTimeout time.Duration
+	// Linger is how long a dispatcher that just handed events off waits
+	// before looking again, instead of going idle (taking the wake lock,
+	// which makes producers notify). Only a pass that finds nothing sends
+	// it idle. 0 means 1 ms; negative disables lingering.
+	Linger time.Duration
 	// Alerter receives alerts; nil means alert.Log with Logger.
 	Alerter alert.Alerter
 	// Logger; nil means slog.Default().
@@ -98,6 +103,12 @@ func (c *Config) setDefaults() {
 	}
 	if c.WakeLockTimeout == 0 {
 		c.WakeLockTimeout = 250 * time.Millisecond
+	}
+	switch {
+	case c.Linger == 0:
+		c.Linger = time.Millisecond
+	case c.Linger < 0:
+		c.Linger = 0
 	}
 	if c.FailureAlertAfter == 0 {
 		c.FailureAlertAfter = 5
@@ -326,12 +337,27 @@ func (d *Dispatcher) run(ctx context.Context) {
 
 	d.rescue(ctx)
 	for !d.stopping() && ctx.Err() == nil {
-		if err := d.drain(ctx); err != nil {
+		n, err := d.drain(ctx)
+		if err != nil {
 			d.logger.Error("outbox dispatch pass failed", slog.String("error", err.Error()))
 			backoff()
 			continue
 		}
 		failures = 0
+
+		// Work arrived: stay busy for Linger and look again, rather than
+		// going idle at once. Going idle takes the wake lock, and while
+		// it is held (or queued for) producers pay for NOTIFY; under a
+		// steady stream that would make every producer notify. Only an
+		// empty pass sends the dispatcher to sleep.
+		if n > 0 && d.cfg.Linger > 0 {
+			select {
+			case <-time.After(d.cfg.Linger):
+			case <-d.stop:
+			case <-ctx.Done():
+			}
+			continue
+		}
 
 		// Go idle. With a live listener, take the wake lock, then re-check:
 		// rows committed by producers that skipped NOTIFY are visible now.
@@ -379,7 +405,7 @@ func (d *Dispatcher) wakeC() <-chan struct{} {
 // drain releases the wake lock (concurrently with the first batch) and
 // claims batches until one comes back short, fanning out to Concurrency
 // batches in flight while they come back full.
-func (d *Dispatcher) drain(ctx context.Context) error {
+func (d *Dispatcher) drain(ctx context.Context) (int, error) {
 	var released chan struct{}
 	if d.lock != nil && d.lock.held {
 		released = make(chan struct{})
@@ -398,21 +424,24 @@ func (d *Dispatcher) drain(ctx context.Context) error {
 
 	n, err := d.pass(ctx)
 	if err != nil || n < d.cfg.BatchSize || d.stopping() {
-		return err
+		return n, err
 	}
+	total := n
 	if d.cfg.Concurrency == 1 {
 		for n == d.cfg.BatchSize && !d.stopping() {
 			if n, err = d.pass(ctx); err != nil {
-				return err
+				return total, err
 			}
+			total += n
 		}
-		return nil
+		return total, nil
 	}
 
 	var (
 		wg      sync.WaitGroup
 		errOnce sync.Once
 		first   error
+		claimed atomic.Int64
 	)
 	for range d.cfg.Concurrency {
 		wg.Add(1)
@@ -420,6 +449,7 @@ func (d *Dispatcher) drain(ctx context.Context) error {
 			defer wg.Done()
 			for !d.stopping() && ctx.Err() == nil {
 				n, err := d.pass(ctx)
+				claimed.Add(int64(n))
 				if err != nil {
 					errOnce.Do(func() { first = err })
 					return
@@ -431,7 +461,7 @@ func (d *Dispatcher) drain(ctx context.Context) error {
 		}()
 	}
 	wg.Wait()
-	return first
+	return total + int(claimed.Load()), first
 }
 
 // pass runs one batch and returns how many events it claimed.
