@@ -26,6 +26,7 @@ type Config struct {
 	DispatchTimeoutMS   int  `envconfig:"OUTBOX_DISPATCH_TIMEOUT_MS" default:"30000"`
 	MaxRetries          int  `envconfig:"OUTBOX_MAX_RETRIES" default:"6"`
 	DispatchSyncCommit  bool `envconfig:"OUTBOX_DISPATCH_SYNCHRONOUS_COMMIT" default:"false"`
+	DispatchLingerMS    int  `envconfig:"OUTBOX_DISPATCH_LINGER_MS" default:"1"`
 
 	DoneRetentionHours     int `envconfig:"OUTBOX_DONE_RETENTION_HOURS" default:"720"`
 	DoneRetentionBatchSize int `envconfig:"OUTBOX_DONE_RETENTION_BATCH_SIZE" default:"1000"`
@@ -91,6 +92,7 @@ func (c *Config) Validate() error {
 		{"OUTBOX_DISPATCH_CONCURRENCY", c.DispatchConcurrency, 1, 1000},
 		{"OUTBOX_DISPATCH_TIMEOUT_MS", c.DispatchTimeoutMS, 100, 3_600_000},
 		{"OUTBOX_MAX_RETRIES", c.MaxRetries, 0, 1000},
+		{"OUTBOX_DISPATCH_LINGER_MS", c.DispatchLingerMS, 0, 10_000},
 		{"OUTBOX_DONE_RETENTION_HOURS", c.DoneRetentionHours, 1, 1_000_000},
 		{"OUTBOX_LISTEN_RECONNECT_DELAY_MS", c.ListenReconnectDelayMS, 1, 600_000},
 		{"OUTBOX_LISTEN_PING_INTERVAL_MS", c.ListenPingIntervalMS, 100, 600_000},
@@ -160,7 +162,17 @@ func (c *Config) Dispatcher() dispatcher.Config {
 		ReconnectDelay:     ms(c.ListenReconnectDelayMS),
 		PingInterval:       ms(c.ListenPingIntervalMS),
 		SynchronousCommit:  c.DispatchSyncCommit,
+		Linger:             linger(c.DispatchLingerMS),
 	}
 }
 
 func ms(n int) time.Duration { return time.Duration(n) * time.Millisecond }
+
+// linger maps OUTBOX_DISPATCH_LINGER_MS to dispatcher.Config.Linger, where
+// 0 means the default and a negative value means none.
+func linger(n int) time.Duration {
+	if n == 0 {
+		return -1
+	}
+	return ms(n)
+}
