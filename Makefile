@@ -11,7 +11,7 @@ help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
 .PHONY: demo
-demo: ## run the demo: a real dispatcher, River workers, a few hundred events, latency percentiles
+demo: ## run the demo: a real dispatcher, two River worker groups, a retry, a suppressed duplicate, latency percentiles
 	$(WITH_PG) $(GO) run ./cmd/outbox-demo
 
 .PHONY: test
