@@ -317,7 +317,7 @@ ins AS (
     INSERT INTO outbox_event (id, event_type, payload, tenant_id, dispatch_key)
     OVERRIDING SYSTEM VALUE
     SELECT id, event_type, payload, tenant_id, dispatch_key FROM input ORDER BY ord
-    ON CONFLICT ON CONSTRAINT outbox_event_dispatch_key_key DO NOTHING
+    ON CONFLICT (dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
     RETURNING id
 )
 SELECT input.ord, ins.id IS NULL AS duplicate, COALESCE(ins.id, existing.id, 0)

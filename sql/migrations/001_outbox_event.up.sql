@@ -21,7 +21,6 @@ CREATE TABLE outbox_event (
     -- same transaction as status = 'done' (lineage for `outboxctl explain`).
     river_job_ids bigint[],
 
-    CONSTRAINT outbox_event_dispatch_key_key UNIQUE (dispatch_key),
     -- <domain>.<entity>.<verb>: at least three lowercase segments of [a-z0-9]
     -- with inner single dashes.
     CONSTRAINT outbox_event_type_format CHECK (
@@ -36,6 +35,11 @@ CREATE TABLE outbox_event (
     CONSTRAINT outbox_event_retries_nonnegative CHECK (retries >= 0),
     CONSTRAINT outbox_event_error_length CHECK (octet_length(last_error) <= 8192)
 );
+
+-- dispatch_key is unique among stored rows. The index is partial: events
+-- without a key (most of them) cost no entry, neither when published nor
+-- when the dispatcher's UPDATE to done writes a new row version.
+CREATE UNIQUE INDEX outbox_event_dispatch_key_key ON outbox_event (dispatch_key) WHERE dispatch_key IS NOT NULL;
 
 -- The claim reads due pending rows in (scheduled_at, id) order. A partial
 -- index holds only those rows, so it stays small however many done rows the
@@ -108,6 +112,7 @@ CREATE FUNCTION outbox_publish(
     dispatch_key text DEFAULT NULL
 ) RETURNS bigint
 LANGUAGE plpgsql AS $$
+#variable_conflict use_column
 DECLARE
     event_id bigint;
 BEGIN
@@ -142,7 +147,7 @@ BEGIN
 
     INSERT INTO outbox_event AS e (event_type, payload, tenant_id, dispatch_key)
     VALUES (outbox_publish.event_type, outbox_publish.payload, outbox_publish.tenant_id, outbox_publish.dispatch_key)
-    ON CONFLICT ON CONSTRAINT outbox_event_dispatch_key_key DO NOTHING
+    ON CONFLICT (dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
     RETURNING e.id INTO event_id;
 
     IF event_id IS NULL THEN
