@@ -38,6 +38,18 @@ type Event struct {
 	DispatchKey *string
 	Retries     int
 	CreatedAt   time.Time
+	ScheduledAt time.Time
+}
+
+// Position is a place in claim order, (scheduled_at, id).
+type Position struct {
+	ScheduledAt time.Time
+	ID          int64
+}
+
+// After reports whether p comes after q in claim order.
+func (p Position) After(q Position) bool {
+	return p.ScheduledAt.After(q.ScheduledAt) || (p.ScheduledAt.Equal(q.ScheduledAt) && p.ID > q.ID)
 }
 
 // claimSQL locks up to $1 due pending events. The partial index
@@ -48,16 +60,32 @@ type Event struct {
 // status goes straight from pending to done (or failed) in the same
 // transaction, one UPDATE per row instead of two.
 const claimSQL = `
-SELECT id, event_type, tenant_id, payload, dispatch_key, retries, created_at
+SELECT id, event_type, tenant_id, payload, dispatch_key, retries, created_at, scheduled_at
 FROM outbox_event
 WHERE status = 'pending' AND scheduled_at <= now()
 ORDER BY scheduled_at, id
 LIMIT $1
 FOR UPDATE SKIP LOCKED`
 
+// claimAfterSQL is claimSQL starting after a position: the continuation of a
+// drain. Handed-off rows leave dead entries at the front of the claim index
+// that only VACUUM removes, so during a long drain a claim from the start
+// would walk over every entry drained so far (measured: 2 ms per claim
+// after 100,000 events). Starting after the last claimed position skips
+// them. It is only a shortcut: rows behind the position (a late commit, a
+// rolled-back batch) are found by the next full claim, which every drain
+// starts with.
+const claimAfterSQL = `
+SELECT id, event_type, tenant_id, payload, dispatch_key, retries, created_at, scheduled_at
+FROM outbox_event
+WHERE status = 'pending' AND scheduled_at <= now() AND (scheduled_at, id) > ($2, $3)
+ORDER BY scheduled_at, id
+LIMIT $1
+FOR UPDATE SKIP LOCKED`
+
 // claimOneSQL re-locks one event for the event-by-event retry.
 const claimOneSQL = `
-SELECT id, event_type, tenant_id, payload, dispatch_key, retries, created_at
+SELECT id, event_type, tenant_id, payload, dispatch_key, retries, created_at, scheduled_at
 FROM outbox_event
 WHERE id = $1 AND status = 'pending'
 FOR UPDATE SKIP LOCKED`
@@ -160,6 +188,9 @@ type Result struct {
 	// Fallback is true when the batch failed as a whole and its events were
 	// retried one by one.
 	Fallback bool
+	// Last is the claim-order position of the last claimed event (zero
+	// when none was claimed), where BatchAfter can continue.
+	Last Position
 }
 
 func (r *Result) add(o Result) {
@@ -179,6 +210,17 @@ func (r *Result) add(o Result) {
 // rolled back and every claimed event is retried in its own transaction.
 // An error means the batch could not run at all (nothing changed).
 func (h *Handoff) Batch(ctx context.Context, limit int) (Result, error) {
+	return h.batch(ctx, claimSQL, limit)
+}
+
+// BatchAfter is Batch for the events after position after in claim order:
+// the continuation of a drain (see claimAfterSQL). It may miss events
+// behind the position; a later Batch finds them.
+func (h *Handoff) BatchAfter(ctx context.Context, limit int, after Position) (Result, error) {
+	return h.batch(ctx, claimAfterSQL, limit, after.ScheduledAt, after.ID)
+}
+
+func (h *Handoff) batch(ctx context.Context, sql string, args ...any) (Result, error) {
 	var res Result
 	conn, err := h.Pool.Acquire(ctx)
 	if err != nil {
@@ -186,12 +228,15 @@ func (h *Handoff) Batch(ctx context.Context, limit int) (Result, error) {
 	}
 	defer conn.Release()
 
-	tx, events, err := h.begin(ctx, conn.Conn(), claimSQL, limit)
+	tx, events, err := h.begin(ctx, conn.Conn(), sql, args...)
 	if err != nil {
 		return res, err
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	res.Claimed = len(events)
+	if n := len(events); n > 0 {
+		res.Last = Position{ScheduledAt: events[n-1].ScheduledAt, ID: events[n-1].ID}
+	}
 	if len(events) == 0 {
 		// Nothing locked, nothing written.
 		return res, tx.commitWith(ctx, nil)
@@ -270,18 +315,18 @@ func (h *Handoff) One(ctx context.Context, id int64, batchErr error) (Result, er
 }
 
 // begin opens the batch transaction and claims, in one round trip.
-func (h *Handoff) begin(ctx context.Context, conn *pgx.Conn, sql string, arg any) (*pipeTx, []Event, error) {
+func (h *Handoff) begin(ctx context.Context, conn *pgx.Conn, sql string, args ...any) (*pipeTx, []Event, error) {
 	var setup []string
 	if !h.SynchronousCommit {
 		setup = []string{"SET LOCAL synchronous_commit = off"}
 	}
-	tx, rows, err := beginAndQuery(ctx, conn, setup, sql, arg)
+	tx, rows, err := beginAndQuery(ctx, conn, setup, sql, args...)
 	if err != nil {
 		return nil, nil, fmt.Errorf("claim: %w", err)
 	}
 	events, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Event, error) {
 		var e Event
-		err := row.Scan(&e.ID, &e.Type, &e.TenantID, &e.Payload, &e.DispatchKey, &e.Retries, &e.CreatedAt)
+		err := row.Scan(&e.ID, &e.Type, &e.TenantID, &e.Payload, &e.DispatchKey, &e.Retries, &e.CreatedAt, &e.ScheduledAt)
 		return e, err
 	})
 	if err != nil {

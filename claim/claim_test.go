@@ -295,3 +295,38 @@ func TestTransientFailureChargesNoRetry(t *testing.T) {
 		t.Fatalf("after recovery: %+v %v", res, err)
 	}
 }
+
+// TestBatchAfterContinuesFromPosition: BatchAfter claims only what follows
+// the position; what lies behind it (a late commit) waits for a full Batch.
+func TestBatchAfterContinuesFromPosition(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := context.Background()
+	h := newHandoff(t, s.Pool, 6, nil)
+	publish(t, s.Pool, "mail.a.b", "mail.a.b", "mail.a.b", "mail.a.b")
+	first, err := h.Batch(ctx, 2)
+	if err != nil || first.Claimed != 2 {
+		t.Fatalf("%+v %v", first, err)
+	}
+	// A row that sorts before the position, as a late commit would.
+	var late int64
+	if err := s.Pool.QueryRow(ctx, `INSERT INTO outbox_event (event_type, payload, scheduled_at) VALUES ('mail.late.commit', '{}', now() - interval '1 hour') RETURNING id`).Scan(&late); err != nil {
+		t.Fatal(err)
+	}
+	next, err := h.BatchAfter(ctx, 10, first.Last)
+	if err != nil || next.Claimed != 2 {
+		t.Fatalf("BatchAfter = %+v %v, want the 2 events after the position", next, err)
+	}
+	for _, id := range next.IDs {
+		if id == late {
+			t.Fatal("BatchAfter claimed the row behind its position")
+		}
+	}
+	if !next.Last.After(first.Last) {
+		t.Fatalf("position did not advance: %+v then %+v", first.Last, next.Last)
+	}
+	full, err := h.Batch(ctx, 10)
+	if err != nil || full.Claimed != 1 || full.IDs[0] != late {
+		t.Fatalf("Batch = %+v %v, want the late row", full, err)
+	}
+}

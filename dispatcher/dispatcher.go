@@ -162,6 +162,8 @@ type Dispatcher struct {
 
 	batches, events, jobs, unroutable, retried, dead, wakes, polls, errs atomic.Int64
 	running                                                              atomic.Bool
+	// resume is the furthest claim position of the current drain.
+	resume atomic.Pointer[claim.Position]
 
 	mu       sync.Mutex
 	started  bool
@@ -367,7 +369,7 @@ func (d *Dispatcher) run(ctx context.Context) {
 				d.logger.Warn("outbox wake lock unavailable; relying on polling", slog.String("error", err.Error()))
 			}
 			if held {
-				n, err := d.pass(ctx)
+				n, err := d.pass(ctx, false)
 				if err != nil || n > 0 {
 					// Work arrived: drain without the lock (busy
 					// dispatchers must not make producers notify).
@@ -422,14 +424,19 @@ func (d *Dispatcher) drain(ctx context.Context) (int, error) {
 		}
 	}()
 
-	n, err := d.pass(ctx)
+	// The first pass claims from the start of the claim order; the passes
+	// that continue a drain claim after the furthest position claimed so
+	// far (claim.BatchAfter), skipping the dead index entries the drain
+	// leaves behind. Whatever they skip, the next drain's first pass finds.
+	d.resume.Store(nil)
+	n, err := d.pass(ctx, false)
 	if err != nil || n < d.cfg.BatchSize || d.stopping() {
 		return n, err
 	}
 	total := n
 	if d.cfg.Concurrency == 1 {
 		for n == d.cfg.BatchSize && !d.stopping() {
-			if n, err = d.pass(ctx); err != nil {
+			if n, err = d.pass(ctx, true); err != nil {
 				return total, err
 			}
 			total += n
@@ -448,7 +455,7 @@ func (d *Dispatcher) drain(ctx context.Context) (int, error) {
 		go func() {
 			defer wg.Done()
 			for !d.stopping() && ctx.Err() == nil {
-				n, err := d.pass(ctx)
+				n, err := d.pass(ctx, true)
 				claimed.Add(int64(n))
 				if err != nil {
 					errOnce.Do(func() { first = err })
@@ -465,14 +472,33 @@ func (d *Dispatcher) drain(ctx context.Context) (int, error) {
 }
 
 // pass runs one batch and returns how many events it claimed.
-func (d *Dispatcher) pass(ctx context.Context) (int, error) {
+// With resume, it claims after the furthest position claimed in this drain.
+func (d *Dispatcher) pass(ctx context.Context, resume bool) (int, error) {
 	bctx, cancel := context.WithTimeout(ctx, d.cfg.BatchTimeout)
 	defer cancel()
-	res, err := d.handoff.Batch(bctx, d.cfg.BatchSize)
+	var (
+		res claim.Result
+		err error
+	)
+	if at := d.resume.Load(); resume && at != nil {
+		res, err = d.handoff.BatchAfter(bctx, d.cfg.BatchSize, *at)
+	} else {
+		res, err = d.handoff.Batch(bctx, d.cfg.BatchSize)
+	}
 	if err != nil {
 		return 0, err
 	}
 	if res.Claimed > 0 {
+		for {
+			at := d.resume.Load()
+			if at != nil && !res.Last.After(*at) {
+				break
+			}
+			last := res.Last
+			if d.resume.CompareAndSwap(at, &last) {
+				break
+			}
+		}
 		d.batches.Add(1)
 		d.events.Add(int64(res.Done))
 		d.jobs.Add(int64(res.Jobs))
