@@ -95,6 +95,22 @@ func runDrain(ctx context.Context, e *env, o *Options) (*DrainResults, error) {
 			res.Runs = append(res.Runs, r)
 		}
 	}
+	// Scaling: with one batch in flight per dispatcher the dispatcher, not
+	// the database, is the bottleneck, which shows what more dispatchers
+	// add; at the default concurrency one dispatcher already saturates a
+	// small server (docs/benchmarks.md).
+	if c := o.ScalingConcurrency; c > 0 && c != o.Concurrency && len(o.Batches) > 0 {
+		b := o.Batches[0]
+		for _, k := range o.Dispatchers {
+			r, err := drainOnce(ctx, e, bin, o.N, k, b, c)
+			if err != nil {
+				return nil, fmt.Errorf("scaling drain with %d dispatcher(s), concurrency %d: %w", k, c, err)
+			}
+			r.RawRatio = r.PerSecond / raw[b]
+			logf("drain %d × batch %d, concurrency %d: %.0f ev/s (%.2f× raw River)", k, b, c, r.PerSecond, r.RawRatio)
+			res.Runs = append(res.Runs, r)
+		}
+	}
 	return res, nil
 }
 

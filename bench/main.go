@@ -38,13 +38,17 @@ type Options struct {
 	Batches          []int
 	Clients          []int
 	ProducerDuration time.Duration
-	Concurrency      int
-	Quick            bool
-	Out              string
-	Repo             string
-	URL              string
-	Keep             bool
-	Verbose          bool
+	ProducerReps     int
+	// ScalingConcurrency: also drain with this OUTBOX_DISPATCH_CONCURRENCY
+	// per dispatcher (0: skip).
+	ScalingConcurrency int
+	Concurrency        int
+	Quick              bool
+	Out                string
+	Repo               string
+	URL                string
+	Keep               bool
+	Verbose            bool
 }
 
 func main() {
@@ -67,7 +71,9 @@ func run() int {
 	flag.StringVar(&batches, "batches", "100,1000", "drain: batch sizes (OUTBOX_DISPATCH_BATCH_SIZE)")
 	flag.IntVar(&o.Concurrency, "concurrency", 0, "drain: OUTBOX_DISPATCH_CONCURRENCY of each outboxd (0: its default, 10)")
 	flag.StringVar(&clients, "clients", "1,8,32", "producer: client counts")
-	flag.DurationVar(&o.ProducerDuration, "producer-duration", 4*time.Second, "producer: measurement time per cell")
+	flag.DurationVar(&o.ProducerDuration, "producer-duration", 1500*time.Millisecond, "producer: measurement time per cell and repetition")
+	flag.IntVar(&o.ScalingConcurrency, "scaling-concurrency", 1, "drain: also run the dispatcher counts at this concurrency each, to show scaling (0: skip; quick mode skips)")
+	flag.IntVar(&o.ProducerReps, "producer-reps", 3, "producer: repetitions per cell (interleaved across variants; the median counts)")
 	flag.BoolVar(&o.Quick, "quick", false, "quick mode (CI): 2 s latency runs, N=10000, 0.7 s producer cells")
 	flag.StringVar(&o.Out, "out", "", "output directory (default results/<timestamp>)")
 	flag.StringVar(&o.Repo, "repo", "..", "root of the outbox module (to build cmd/outboxd)")
@@ -85,8 +91,12 @@ func run() int {
 		if !set["n"] {
 			o.N = 10_000
 		}
+		if !set["scaling-concurrency"] {
+			o.ScalingConcurrency = 0
+		}
 		if !set["producer-duration"] {
 			o.ProducerDuration = 700 * time.Millisecond
+			o.ProducerReps = 1
 		}
 	}
 	var err error
@@ -111,7 +121,7 @@ func run() int {
 		fmt.Fprintln(os.Stderr, "bench: -clients:", err)
 		return 2
 	}
-	if o.Rate < 1 || o.Duration <= 0 || o.N < 1 || o.ProducerDuration <= 0 {
+	if o.Rate < 1 || o.Duration <= 0 || o.N < 1 || o.ProducerDuration <= 0 || o.ProducerReps < 1 {
 		fmt.Fprintln(os.Stderr, "bench: -rate, -duration, -n and -producer-duration must be positive")
 		return 2
 	}

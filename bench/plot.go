@@ -97,7 +97,11 @@ func drainPlot(r *Results, path string) error {
 	nRaw := len(vals)
 	for _, d := range r.Drain.Runs {
 		vals = append(vals, d.PerSecond)
-		labels = append(labels, fmt.Sprintf("%d outboxd\nbatch %d", d.Dispatchers, d.Batch))
+		label := fmt.Sprintf("%d outboxd\nbatch %d", d.Dispatchers, d.Batch)
+		if d.Concurrency > 0 {
+			label += fmt.Sprintf("\nconc. %d", d.Concurrency)
+		}
+		labels = append(labels, label)
 	}
 	w := vg.Points(22)
 	rawBars, err := plotter.NewBarChart(padValues(vals[:nRaw], 0, len(vals)), w)

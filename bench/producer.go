@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"sort"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -31,6 +32,10 @@ type ProducerCell struct {
 	TPS     float64 `json:"tps"`
 	// Ratio is TPS over the no-trigger variant's in the same row.
 	Ratio float64 `json:"ratio_to_no_trigger"`
+	// Samples are the TPS of each repetition; TPS is their median. The
+	// variants of a row are measured in turn, repetition by repetition,
+	// with the order rotated, so that drift of the machine hits all alike.
+	Samples []float64 `json:"tps_samples"`
 	// BusyThroughout: for busy cells, the backlog was not exhausted.
 	BusyThroughout bool  `json:"busy_throughout,omitempty"`
 	Backlog        int   `json:"backlog,omitempty"`
@@ -102,13 +107,32 @@ func runProducer(ctx context.Context, e *env, o *Options, drain *DrainResults) (
 		for _, clients := range o.Clients {
 			row := map[string]*ProducerCell{}
 			var rowCells []*ProducerCell
-			for _, v := range []string{variantShipped, variantNone, variantNaive} {
-				c, err := producerCell(ctx, e, pools[v], o, state, clients, v, backlog)
-				if err != nil {
-					return nil, fmt.Errorf("%s, %d clients, dispatcher %s: %w", v, clients, state, err)
+			variants := []string{variantShipped, variantNone, variantNaive}
+			for rep := range o.ProducerReps {
+				for i := range variants {
+					v := variants[(i+rep)%len(variants)]
+					c, err := producerCell(ctx, e, pools[v], o, state, clients, v, backlog)
+					if err != nil {
+						return nil, fmt.Errorf("%s, %d clients, dispatcher %s: %w", v, clients, state, err)
+					}
+					if prev := row[v]; prev != nil {
+						c.Samples = append(prev.Samples, c.TPS)
+						c.Tx += prev.Tx
+						c.Seconds += prev.Seconds
+						c.Wakes += prev.Wakes
+						c.Batches += prev.Batches
+						c.BusyThroughout = c.BusyThroughout && prev.BusyThroughout
+					} else {
+						c.Samples = []float64{c.TPS}
+						rowCells = append(rowCells, &c)
+					}
+					c.TPS = median(c.Samples)
+					if prev := row[v]; prev != nil {
+						*prev = c
+					} else {
+						row[v] = &c
+					}
 				}
-				row[v] = &c
-				rowCells = append(rowCells, &c)
 			}
 			base := row[variantNone].TPS
 			for _, c := range rowCells {
@@ -120,6 +144,16 @@ func runProducer(ctx context.Context, e *env, o *Options, drain *DrainResults) (
 		}
 	}
 	return cells, nil
+}
+
+func median(xs []float64) float64 {
+	s := append([]float64(nil), xs...)
+	sort.Float64s(s)
+	if n := len(s); n%2 == 1 {
+		return s[n/2]
+	} else {
+		return (s[n/2-1] + s[n/2]) / 2
+	}
 }
 
 func producerCell(ctx context.Context, e *env, p *pgxpool.Pool, o *Options, state string, clients int, variant string, backlog int) (ProducerCell, error) {

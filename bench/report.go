@@ -31,12 +31,12 @@ func (r *Results) latency(mode string) *LatencyResult {
 	return nil
 }
 
-func (r *Results) drainRun(k, batch int) *DrainResult {
+func (r *Results) drainRun(k, batch, concurrency int) *DrainResult {
 	if r.Drain == nil {
 		return nil
 	}
 	for i := range r.Drain.Runs {
-		if r.Drain.Runs[i].Dispatchers == k && r.Drain.Runs[i].Batch == batch {
+		if d := r.Drain.Runs[i]; d.Dispatchers == k && d.Batch == batch && d.Concurrency == concurrency {
 			return &r.Drain.Runs[i]
 		}
 	}
@@ -67,21 +67,34 @@ func checkGoals(r *Results) []Goal {
 		add("end-to-end p99", "≤ 10 ms", fmt.Sprintf("%.2f ms", e.P99), e.P99 <= 10)
 	}
 	if r.Drain != nil {
+		def := 0
+		if len(r.Drain.Runs) > 0 {
+			def = r.Drain.Runs[0].Concurrency
+		}
 		for _, run := range r.Drain.Runs {
-			if run.Dispatchers != 1 {
+			if run.Dispatchers != 1 || run.Concurrency != def {
 				continue
 			}
 			add(fmt.Sprintf("drain, 1 dispatcher, batch %d", run.Batch), "≥ 0.6× raw River InsertMany",
 				fmt.Sprintf("%.2f× (%.0f ev/s)", run.RawRatio, run.PerSecond), run.RawRatio >= 0.6)
 		}
 		for _, b := range []int{100, 1000} {
-			one, two := r.drainRun(1, b), r.drainRun(2, b)
-			if one != nil && two != nil {
-				add(fmt.Sprintf("drain, 2 dispatchers > 1, batch %d", b), "more with 2 than 1",
-					fmt.Sprintf("%.0f vs %.0f ev/s", two.PerSecond, one.PerSecond), two.PerSecond > one.PerSecond)
+			for _, c := range []int{def, 1} {
+				if c == def && c == 1 {
+					continue
+				}
+				one, two := r.drainRun(1, b, c), r.drainRun(2, b, c)
+				if one != nil && two != nil {
+					what := fmt.Sprintf("drain, 2 dispatchers > 1, batch %d", b)
+					if c == 1 {
+						what += ", 1 batch in flight each"
+					}
+					add(what, "more with 2 than 1",
+						fmt.Sprintf("%.0f vs %.0f ev/s", two.PerSecond, one.PerSecond), two.PerSecond > one.PerSecond)
+				}
 			}
 		}
-		if one := r.drainRun(1, 100); one != nil && len(one.PeakRSSMiB) > 0 {
+		if one := r.drainRun(1, 100, def); one != nil && len(one.PeakRSSMiB) > 0 {
 			add("peak RSS draining", "≤ 64 MiB", fmt.Sprintf("%.1f MiB (%d events)", one.MaxRSSMiB, one.Events), one.MaxRSSMiB <= 64)
 		}
 	}
@@ -134,11 +147,15 @@ func markdown(r *Results) string {
 			for i, v := range d.PeakRSSMiB {
 				rss[i] = fmt.Sprintf("%.1f", v)
 			}
-			fmt.Fprintf(&b, "| %d × outboxd | %d | %.0f | %.2f | %.2f | %s | %.2f |\n", d.Dispatchers, d.Batch, d.PerSecond, d.Seconds, d.RawRatio, strings.Join(rss, ", "), d.CPUPer100k)
+			label := fmt.Sprintf("%d × outboxd", d.Dispatchers)
+			if d.Concurrency > 0 {
+				label += fmt.Sprintf(", %d batch(es) in flight each", d.Concurrency)
+			}
+			fmt.Fprintf(&b, "| %s | %d | %.0f | %.2f | %.2f | %s | %.2f |\n", label, d.Batch, d.PerSecond, d.Seconds, d.RawRatio, strings.Join(rss, ", "), d.CPUPer100k)
 		}
 		b.WriteString("\nWhat the dispatchers' backends were doing (pg_stat_activity samples every 10 ms, active backends):\n\n")
 		for _, d := range r.Drain.Runs {
-			fmt.Fprintf(&b, "- %d × outboxd, batch %d: %s\n", d.Dispatchers, d.Batch, strings.Join(d.WaitEvents, ", "))
+			fmt.Fprintf(&b, "- %d × outboxd (concurrency %d), batch %d: %s\n", d.Dispatchers, d.Concurrency, d.Batch, strings.Join(d.WaitEvents, ", "))
 		}
 		b.WriteString("\n")
 	}
