@@ -227,7 +227,7 @@ func (p *proc) log() string {
 
 func drainOnce(ctx context.Context, e *env, bin string, n, k, batch, concurrency int) (DrainResult, error) {
 	r := DrainResult{Dispatchers: k, Batch: batch, Events: n, Concurrency: concurrency}
-	schema := fmt.Sprintf("drain_%dx%d", k, batch)
+	schema := fmt.Sprintf("drain_%dx%d_c%d", k, batch, concurrency)
 	p, err := e.migrated(ctx, schema, 4)
 	if err != nil {
 		return r, err
