@@ -8,7 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxhq/outbox"
@@ -59,18 +58,7 @@ func publish(t *testing.T, pool *pgxpool.Pool, types ...string) []int64 {
 	for i, typ := range types {
 		evs[i] = outbox.Event{Type: typ, Payload: json.RawMessage(`{}`)}
 	}
-	var ids []int64
-	err := pgx.BeginFunc(context.Background(), pool, func(tx pgx.Tx) error {
-		res, err := outbox.PublishMany(context.Background(), tx, evs)
-		for _, r := range res {
-			ids = append(ids, r.ID)
-		}
-		return err
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return ids
+	return pgtest.Publish(t, pool, evs...)
 }
 
 type row struct {

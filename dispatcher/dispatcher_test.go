@@ -81,43 +81,6 @@ func start(t *testing.T, pool *pgxpool.Pool, cfg dispatcher.Config) *dispatcher.
 	return d
 }
 
-func publish(t *testing.T, pool *pgxpool.Pool, events ...outbox.Event) []int64 {
-	t.Helper()
-	var ids []int64
-	err := pgx.BeginFunc(context.Background(), pool, func(tx pgx.Tx) error {
-		res, err := outbox.PublishMany(context.Background(), tx, events)
-		for _, r := range res {
-			ids = append(ids, r.ID)
-		}
-		return err
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return ids
-}
-
-// waitFor polls cond every 20 ms until it holds or the deadline passes.
-func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", d, what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
-func count(t *testing.T, pool *pgxpool.Pool, sql string, args ...any) int {
-	t.Helper()
-	var n int
-	if err := pool.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
-		t.Fatalf("%s: %v", sql, err)
-	}
-	return n
-}
-
 func status(t *testing.T, pool *pgxpool.Pool, id int64) string {
 	t.Helper()
 	var s string
@@ -172,7 +135,7 @@ func assertLedger(t *testing.T, pool *pgxpool.Pool, routes *route.Table) {
 			}
 		}
 	}
-	if n := count(t, pool, `SELECT count(*) FROM river_job j WHERE NOT EXISTS (SELECT 1 FROM outbox_event e WHERE e.id = (j.args->>'event_id')::bigint)`); n != 0 {
+	if n := pgtest.Count(t, pool, `SELECT count(*) FROM river_job j WHERE NOT EXISTS (SELECT 1 FROM outbox_event e WHERE e.id = (j.args->>'event_id')::bigint)`); n != 0 {
 		t.Fatalf("%d River jobs belong to no event", n)
 	}
 }
@@ -193,14 +156,14 @@ func TestWakeHandsOffLongBeforePoll(t *testing.T) {
 		PollInterval: 10 * time.Second,
 		OnBatch:      func(r claim.Result) { batches <- r },
 	})
-	waitFor(t, 10*time.Second, "listener to connect", d.ListenerConnected)
+	pgtest.WaitFor(t, 10*time.Second, "listener to connect", d.ListenerConnected)
 	// The first pass after connecting may already have run; drain signals.
 	for len(batches) > 0 {
 		<-batches
 	}
 
 	for i := range 3 {
-		ids := publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(fmt.Sprintf(`{"i":%d}`, i))})
+		ids := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(fmt.Sprintf(`{"i":%d}`, i))})
 		select {
 		case r := <-batches:
 			if r.Done != 1 {
@@ -227,7 +190,7 @@ func TestNoLostWakeUnderConcurrentProducers(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 20})
 	d := start(t, s.Pool, dispatcher.Config{PollInterval: time.Hour, Concurrency: 2})
-	waitFor(t, 10*time.Second, "listener to connect", d.ListenerConnected)
+	pgtest.WaitFor(t, 10*time.Second, "listener to connect", d.ListenerConnected)
 
 	const producers, each = 4, 150
 	var wg sync.WaitGroup
@@ -237,7 +200,7 @@ func TestNoLostWakeUnderConcurrentProducers(t *testing.T) {
 			defer wg.Done()
 			r := rand.New(rand.NewPCG(uint64(p), 7))
 			for i := range each {
-				publish(t, s.Pool, outbox.Event{Type: "billing.invoice.paid", Payload: json.RawMessage(fmt.Sprintf(`{"p":%d,"i":%d}`, p, i))})
+				pgtest.Publish(t, s.Pool, outbox.Event{Type: "billing.invoice.paid", Payload: json.RawMessage(fmt.Sprintf(`{"p":%d,"i":%d}`, p, i))})
 				if r.IntN(4) == 0 {
 					time.Sleep(time.Duration(r.IntN(3000)) * time.Microsecond)
 				}
@@ -245,10 +208,10 @@ func TestNoLostWakeUnderConcurrentProducers(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	waitFor(t, 30*time.Second, "all events handed off without polling", func() bool {
-		return count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'pending'`) == 0
+	pgtest.WaitFor(t, 30*time.Second, "all events handed off without polling", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'pending'`) == 0
 	})
-	if n := count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done'`); n != producers*each {
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done'`); n != producers*each {
 		t.Fatalf("%d done, want %d", n, producers*each)
 	}
 	if st := d.Stats(); st.Polls != 0 {
@@ -263,10 +226,10 @@ func TestPollOnlyModeDelivers(t *testing.T) {
 	d := start(t, s.Pool, dispatcher.Config{PollInterval: 100 * time.Millisecond, ListenDisabled: true})
 	// Publish only once the dispatcher is idle between ticks, so that the
 	// delivery below can only come from a poll.
-	waitFor(t, 10*time.Second, "a first poll tick", func() bool { return d.Stats().Polls > 0 })
+	pgtest.WaitFor(t, 10*time.Second, "a first poll tick", func() bool { return d.Stats().Polls > 0 })
 	polls := d.Stats().Polls
-	ids := publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome"}, outbox.Event{Type: "billing.invoice.paid"})
-	waitFor(t, 10*time.Second, "poll-only handoff", func() bool {
+	ids := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome"}, outbox.Event{Type: "billing.invoice.paid"})
+	pgtest.WaitFor(t, 10*time.Second, "poll-only handoff", func() bool {
 		return status(t, s.Pool, ids[0]) == "done" && status(t, s.Pool, ids[1]) == "done"
 	})
 	if d.ListenerConnected() {
@@ -282,7 +245,7 @@ func TestListenerReconnectsAfterTermination(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
 	d := start(t, s.Pool, dispatcher.Config{PollInterval: time.Hour, ReconnectDelay: 100 * time.Millisecond})
-	waitFor(t, 10*time.Second, "listener to connect", d.ListenerConnected)
+	pgtest.WaitFor(t, 10*time.Second, "listener to connect", d.ListenerConnected)
 
 	admin := pgtest.Admin(t)
 	ctx := context.Background()
@@ -298,7 +261,7 @@ func TestListenerReconnectsAfterTermination(t *testing.T) {
 		return pids
 	}
 	var pids []int32
-	waitFor(t, 10*time.Second, "the LISTEN backend", func() bool { pids = listenerPIDs(); return len(pids) > 0 })
+	pgtest.WaitFor(t, 10*time.Second, "the LISTEN backend", func() bool { pids = listenerPIDs(); return len(pids) > 0 })
 
 	for round := range 2 {
 		for _, pid := range pids {
@@ -308,18 +271,18 @@ func TestListenerReconnectsAfterTermination(t *testing.T) {
 		}
 		// Publish while the listener is (probably) down: the notification is
 		// lost, so the claim pass after reconnect must find the event.
-		ids := publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(fmt.Sprintf(`{"round":%d}`, round))})
-		waitFor(t, 15*time.Second, "handoff after reconnect", func() bool { return status(t, s.Pool, ids[0]) == "done" })
-		waitFor(t, 15*time.Second, "a new LISTEN backend", func() bool {
+		ids := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(fmt.Sprintf(`{"round":%d}`, round))})
+		pgtest.WaitFor(t, 15*time.Second, "handoff after reconnect", func() bool { return status(t, s.Pool, ids[0]) == "done" })
+		pgtest.WaitFor(t, 15*time.Second, "a new LISTEN backend", func() bool {
 			now := listenerPIDs()
 			return len(now) > 0 && now[0] != pids[0]
 		})
 		pids = listenerPIDs()
 	}
-	waitFor(t, 10*time.Second, "listener connected", d.ListenerConnected)
+	pgtest.WaitFor(t, 10*time.Second, "listener connected", d.ListenerConnected)
 	// And the wake path works again after the reconnects.
-	ids := publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome"})
-	waitFor(t, 5*time.Second, "wake after reconnect", func() bool { return status(t, s.Pool, ids[0]) == "done" })
+	ids := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome"})
+	pgtest.WaitFor(t, 5*time.Second, "wake after reconnect", func() bool { return status(t, s.Pool, ids[0]) == "done" })
 	if d.Stats().Polls != 0 {
 		t.Fatal("a poll tick ran; the test must show recovery without polling")
 	}
@@ -341,19 +304,19 @@ func TestThreeDispatchersExactlyOnce(t *testing.T) {
 		events = append(events, outbox.Event{Type: typ, Payload: json.RawMessage(fmt.Sprintf(`{"i":%d}`, i))})
 	}
 	for i := 0; i < n; i += 2000 {
-		publish(t, s.Pool, events[i:i+2000]...)
+		pgtest.Publish(t, s.Pool, events[i:i+2000]...)
 	}
 	routes := testRoutes(t)
 	for range 3 {
 		start(t, s.Pool, dispatcher.Config{Routes: routes, Concurrency: 4, BatchSize: 100, PollInterval: 200 * time.Millisecond})
 	}
-	waitFor(t, 120*time.Second, "drain of 10,000 events by 3 dispatchers", func() bool {
-		return count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status <> 'done'`) == 0
+	pgtest.WaitFor(t, 120*time.Second, "drain of 10,000 events by 3 dispatchers", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status <> 'done'`) == 0
 	})
-	if got, want := count(t, s.Pool, `SELECT count(*) FROM river_job`), n+n/10; got != want {
+	if got, want := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job`), n+n/10; got != want {
 		t.Fatalf("%d River jobs, want %d", got, want)
 	}
-	if dup := count(t, s.Pool, `SELECT count(*) FROM (SELECT args->>'event_id', queue FROM river_job GROUP BY 1, 2 HAVING count(*) > 1) d`); dup != 0 {
+	if dup := pgtest.Count(t, s.Pool, `SELECT count(*) FROM (SELECT args->>'event_id', queue FROM river_job GROUP BY 1, 2 HAVING count(*) > 1) d`); dup != 0 {
 		t.Fatalf("%d (event, queue) pairs have more than one job", dup)
 	}
 	assertLedger(t, s.Pool, routes)
@@ -364,9 +327,9 @@ func TestUnroutableFailsAtOnceAndAlerts(t *testing.T) {
 	s := pgtest.NewSchema(t, nil)
 	al := &alerts{}
 	start(t, s.Pool, dispatcher.Config{Alerter: al, PollInterval: 100 * time.Millisecond})
-	ids := publish(t, s.Pool, outbox.Event{Type: "nothing.routes.this", TenantID: "t9"}, outbox.Event{Type: "mail.user.welcome"})
-	waitFor(t, 10*time.Second, "unroutable event failed", func() bool { return status(t, s.Pool, ids[0]) == "failed" })
-	waitFor(t, 10*time.Second, "routable event done", func() bool { return status(t, s.Pool, ids[1]) == "done" })
+	ids := pgtest.Publish(t, s.Pool, outbox.Event{Type: "nothing.routes.this", TenantID: "t9"}, outbox.Event{Type: "mail.user.welcome"})
+	pgtest.WaitFor(t, 10*time.Second, "unroutable event failed", func() bool { return status(t, s.Pool, ids[0]) == "failed" })
+	pgtest.WaitFor(t, 10*time.Second, "routable event done", func() bool { return status(t, s.Pool, ids[1]) == "done" })
 	var lastErr string
 	if err := s.Pool.QueryRow(context.Background(), `SELECT last_error FROM outbox_event WHERE id = $1`, ids[0]).Scan(&lastErr); err != nil {
 		t.Fatal(err)
@@ -374,7 +337,7 @@ func TestUnroutableFailsAtOnceAndAlerts(t *testing.T) {
 	if !strings.Contains(lastErr, "no route matches event type nothing.routes.this") {
 		t.Fatalf("last_error = %q", lastErr)
 	}
-	waitFor(t, 5*time.Second, "unroutable alert", func() bool { return len(al.byReason(alert.Unroutable)) == 1 })
+	pgtest.WaitFor(t, 5*time.Second, "unroutable alert", func() bool { return len(al.byReason(alert.Unroutable)) == 1 })
 	a := al.byReason(alert.Unroutable)[0]
 	if a.EventID != ids[0] || a.EventType != "nothing.routes.this" || a.TenantID != "t9" {
 		t.Fatalf("alert = %+v", a)
@@ -386,8 +349,8 @@ func TestFanOut(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
 	start(t, s.Pool, dispatcher.Config{PollInterval: 100 * time.Millisecond})
-	ids := publish(t, s.Pool, outbox.Event{Type: "plugin.hook.workflow.executed", Payload: json.RawMessage(`{"w":1}`), DispatchKey: "fan:1", TenantID: "t1"})
-	waitFor(t, 10*time.Second, "fan-out handoff", func() bool { return status(t, s.Pool, ids[0]) == "done" })
+	ids := pgtest.Publish(t, s.Pool, outbox.Event{Type: "plugin.hook.workflow.executed", Payload: json.RawMessage(`{"w":1}`), DispatchKey: "fan:1", TenantID: "t1"})
+	pgtest.WaitFor(t, 10*time.Second, "fan-out handoff", func() bool { return status(t, s.Pool, ids[0]) == "done" })
 	rows, err := s.Pool.Query(context.Background(), `SELECT queue, kind, args FROM river_job ORDER BY queue`)
 	if err != nil {
 		t.Fatal(err)
@@ -423,7 +386,7 @@ func TestStaleProcessingRowsAreRescued(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
 	ctx := context.Background()
-	ids := publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome"}, outbox.Event{Type: "mail.user.welcome"})
+	ids := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome"}, outbox.Event{Type: "mail.user.welcome"})
 	// As if a crashed worker of another tool had left them mid-flight: one
 	// lock expired, one still valid.
 	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET status = 'processing', locked_until = now() - interval '1 minute' WHERE id = $1`, ids[0]); err != nil {
@@ -433,7 +396,7 @@ func TestStaleProcessingRowsAreRescued(t *testing.T) {
 		t.Fatal(err)
 	}
 	start(t, s.Pool, dispatcher.Config{PollInterval: 100 * time.Millisecond})
-	waitFor(t, 10*time.Second, "stale row handed off", func() bool { return status(t, s.Pool, ids[0]) == "done" })
+	pgtest.WaitFor(t, 10*time.Second, "stale row handed off", func() bool { return status(t, s.Pool, ids[0]) == "done" })
 	// Let a few poll ticks pass: the live lock must be respected.
 	time.Sleep(300 * time.Millisecond)
 	if st := status(t, s.Pool, ids[1]); st != "processing" {
@@ -448,7 +411,7 @@ func TestStopFinishesInFlightAndLeavesConsistentState(t *testing.T) {
 	for i := range evs {
 		evs[i] = outbox.Event{Type: "mail.user.welcome"}
 	}
-	publish(t, s.Pool, evs...)
+	pgtest.Publish(t, s.Pool, evs...)
 	batches := make(chan claim.Result, 1000)
 	d, err := dispatcher.New(s.Pool, dispatcher.Config{Routes: testRoutes(t), BatchSize: 50, Concurrency: 3,
 		OnBatch: func(r claim.Result) { batches <- r }})
@@ -470,8 +433,8 @@ func TestStopFinishesInFlightAndLeavesConsistentState(t *testing.T) {
 	if err := d.Stop(ctx); err != nil {
 		t.Fatalf("second stop: %v", err)
 	}
-	done := count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done'`)
-	pending := count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'pending'`)
+	done := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done'`)
+	pending := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'pending'`)
 	if done+pending != len(evs) || done == 0 {
 		t.Fatalf("done=%d pending=%d after stop, want all accounted for and some done", done, pending)
 	}

@@ -121,7 +121,7 @@ func TestActiveQueues(t *testing.T) {
 	s := pgtest.NewSchema(t, nil)
 	ctx := pgtest.Context(t, 60*time.Second)
 	startWorkers(t, s.Pool, outboxriver.NewHandlers(), nil, "outbox_mail", "outbox_webhook")
-	waitFor(t, 30*time.Second, "River to report its queues", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "River to report its queues", func() bool {
 		got, err := outboxriver.ActiveQueues(ctx, s.Pool, 0)
 		return err == nil && reflect.DeepEqual(got, []string{"outbox_mail", "outbox_webhook"})
 	})

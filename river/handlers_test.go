@@ -38,7 +38,7 @@ func TestWorkerHandsTheEventToTheLongestPrefix(t *testing.T) {
 	hs.Handle("mail.receipt.requested", record("exact"))
 	hs.Handle("", record("fallback"))
 
-	ids := publish(t, s.Pool,
+	ids := pgtest.Publish(t, s.Pool,
 		outbox.Event{Type: "mail.receipt.requested", TenantID: "acme", Payload: json.RawMessage(`{"invoice_id": 7}`), DispatchKey: "invoice:7"},
 		outbox.Event{Type: "mail.receipt.resent", Payload: json.RawMessage(`{}`)},
 		outbox.Event{Type: "mail.welcome.sent"},
@@ -49,8 +49,8 @@ func TestWorkerHandsTheEventToTheLongestPrefix(t *testing.T) {
 	}
 	startWorkers(t, s.Pool, hs, nil, "outbox_mail", "outbox_audit")
 
-	waitFor(t, 30*time.Second, "4 jobs completed", func() bool {
-		return count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state = 'completed'`) == 4
+	pgtest.WaitFor(t, 30*time.Second, "4 jobs completed", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state = 'completed'`) == 4
 	})
 	mu.Lock()
 	defer mu.Unlock()
@@ -103,11 +103,11 @@ func TestWorkerAttemptCountsRetries(t *testing.T) {
 		}
 		return nil
 	})
-	publish(t, s.Pool, outbox.Event{Type: "mail.receipt.requested"})
+	pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.receipt.requested"})
 	handoff(t, s.Pool, testRoutes(t))
 	startWorkers(t, s.Pool, hs, nil, "outbox_mail")
-	waitFor(t, 30*time.Second, "the job to complete", func() bool {
-		return count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state = 'completed'`) == 1
+	pgtest.WaitFor(t, 30*time.Second, "the job to complete", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state = 'completed'`) == 1
 	})
 	mu.Lock()
 	defer mu.Unlock()
@@ -123,14 +123,14 @@ func TestWorkerWithoutHandlerFailsLoudly(t *testing.T) {
 	hs := outboxriver.NewHandlers()
 	hs.HandleFunc("mail.", func(context.Context, outboxriver.Event) error { return nil })
 
-	ids := publish(t, s.Pool, outbox.Event{Type: "audit.login.failed", TenantID: "acme"})
+	ids := pgtest.Publish(t, s.Pool, outbox.Event{Type: "audit.login.failed", TenantID: "acme"})
 	handoff(t, s.Pool, testRoutes(t))
 	startWorkers(t, s.Pool, hs, al, "outbox_audit")
 
 	// The job is not dropped: it fails (River keeps retrying it) with an
 	// error that says what is missing.
-	waitFor(t, 30*time.Second, "the job to record an error", func() bool {
-		return count(t, s.Pool, `SELECT count(*) FROM river_job WHERE cardinality(errors) > 0`) == 1
+	pgtest.WaitFor(t, 30*time.Second, "the job to record an error", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE cardinality(errors) > 0`) == 1
 	})
 	var errMsg, state string
 	if err := s.Pool.QueryRow(context.Background(), `SELECT errors[1]->>'error', state::text FROM river_job`).Scan(&errMsg, &state); err != nil {
@@ -142,15 +142,15 @@ func TestWorkerWithoutHandlerFailsLoudly(t *testing.T) {
 	if state == "completed" || state == "discarded" || state == "cancelled" {
 		t.Errorf("job state %s: a job without handler must stay retryable", state)
 	}
-	waitFor(t, 10*time.Second, "an alert", func() bool { return len(al.all()) > 0 })
+	pgtest.WaitFor(t, 10*time.Second, "an alert", func() bool { return len(al.all()) > 0 })
 	a := al.all()[0]
 	if a.Reason != alert.NoHandler || a.EventID != ids[0] || a.EventType != "audit.login.failed" || a.TenantID != "acme" {
 		t.Errorf("alert %+v", a)
 	}
 	// Alerts are raised on the first and the last attempt, not on every
 	// retry in between.
-	waitFor(t, 30*time.Second, "a few retries", func() bool {
-		return count(t, s.Pool, `SELECT attempt FROM river_job`) >= 4
+	pgtest.WaitFor(t, 30*time.Second, "a few retries", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT attempt FROM river_job`) >= 4
 	})
 	if n := len(al.all()); n != 1 {
 		t.Errorf("%d alerts after several attempts, want 1", n)
@@ -251,7 +251,7 @@ func TestTypedHandlerFailsTheJobOnABadPayload(t *testing.T) {
 		got <- r
 		return nil
 	}))
-	ids := publish(t, s.Pool,
+	ids := pgtest.Publish(t, s.Pool,
 		outbox.Event{Type: "mail.receipt.requested", Payload: json.RawMessage(`{"invoice_id": "not a number"}`)},
 		outbox.Event{Type: "mail.receipt.requested", Payload: json.RawMessage(`{"invoice_id": 9}`)},
 	)
@@ -265,8 +265,8 @@ func TestTypedHandlerFailsTheJobOnABadPayload(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("the good event was not handled")
 	}
-	waitFor(t, 30*time.Second, "the bad job's error", func() bool {
-		return count(t, s.Pool, `SELECT count(*) FROM river_job WHERE cardinality(errors) > 0 AND (args->>'event_id')::bigint = $1`, ids[0]) == 1
+	pgtest.WaitFor(t, 30*time.Second, "the bad job's error", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE cardinality(errors) > 0 AND (args->>'event_id')::bigint = $1`, ids[0]) == 1
 	})
 	var msg string
 	if err := s.Pool.QueryRow(context.Background(), `SELECT errors[1]->>'error' FROM river_job WHERE (args->>'event_id')::bigint = $1`, ids[0]).Scan(&msg); err != nil {

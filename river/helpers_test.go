@@ -14,7 +14,6 @@ import (
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
 
-	"github.com/outboxhq/outbox"
 	"github.com/outboxhq/outbox/alert"
 	"github.com/outboxhq/outbox/claim"
 	"github.com/outboxhq/outbox/internal/pgtest"
@@ -36,23 +35,6 @@ func testRoutes(t *testing.T) *route.Table {
 		t.Fatal(err)
 	}
 	return tbl
-}
-
-// publish writes events in one transaction and returns their ids.
-func publish(t *testing.T, pool *pgxpool.Pool, events ...outbox.Event) []int64 {
-	t.Helper()
-	var ids []int64
-	err := pgx.BeginFunc(context.Background(), pool, func(tx pgx.Tx) error {
-		res, err := outbox.PublishMany(context.Background(), tx, events)
-		for _, r := range res {
-			ids = append(ids, r.ID)
-		}
-		return err
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return ids
 }
 
 // handoff runs the dispatcher's batch once: every due event becomes its
@@ -105,27 +87,6 @@ func startWorkers(t *testing.T, pool *pgxpool.Pool, handlers *outboxriver.Handle
 		}
 	})
 	return client
-}
-
-// waitFor polls cond every 20 ms until it holds or the deadline passes.
-func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", d, what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
-func count(t *testing.T, pool *pgxpool.Pool, sql string, args ...any) int {
-	t.Helper()
-	var n int
-	if err := pool.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
-		t.Fatalf("%s: %v", sql, err)
-	}
-	return n
 }
 
 // jobStates returns the states of every job of event id, by queue.

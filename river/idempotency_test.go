@@ -131,27 +131,27 @@ func TestWithIdempotencyAppliesTheEffectOnce(t *testing.T) {
 		return nil
 	})
 
-	ids := publish(t, s.Pool,
+	ids := pgtest.Publish(t, s.Pool,
 		outbox.Event{Type: "mail.receipt.requested", Payload: json.RawMessage(`{}`)},
 		outbox.Event{Type: "mail.welcome.sent", Payload: json.RawMessage(`{}`)},
 	)
 	handoff(t, s.Pool, testRoutes(t))
 	client := startWorkers(t, s.Pool, hs, nil, "outbox_mail")
 
-	waitFor(t, 30*time.Second, "both jobs completed", func() bool {
-		return count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state = 'completed'`) == 2
+	pgtest.WaitFor(t, 30*time.Second, "both jobs completed", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state = 'completed'`) == 2
 	})
 	// A forced second job with the same args, for both events.
 	dupJobs := []int64{forceDuplicate(t, s.Pool, client, ids[0]), forceDuplicate(t, s.Pool, client, ids[1])}
-	waitFor(t, 30*time.Second, "the duplicate jobs completed", func() bool {
-		return count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state = 'completed'`) == 4
+	pgtest.WaitFor(t, 30*time.Second, "the duplicate jobs completed", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state = 'completed'`) == 4
 	})
 
 	for _, id := range ids {
-		if n := count(t, s.Pool, `SELECT count(*) FROM mailbox WHERE event_id = $1`, id); n != 1 {
+		if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM mailbox WHERE event_id = $1`, id); n != 1 {
 			t.Errorf("event %d: %d mailbox rows, want exactly 1", id, n)
 		}
-		if n := count(t, s.Pool, `SELECT count(*) FROM outbox_receipt WHERE event_id = $1 AND receiver = 'mailer' AND state = 'done' AND expires_at > now() + interval '23 hours'`, id); n != 1 {
+		if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_receipt WHERE event_id = $1 AND receiver = 'mailer' AND state = 'done' AND expires_at > now() + interval '23 hours'`, id); n != 1 {
 			t.Errorf("event %d: %d receipts, want 1 that lives 24 h", id, n)
 		}
 	}
@@ -173,13 +173,13 @@ func TestWithIdempotencyAppliesTheEffectOnce(t *testing.T) {
 		t.Errorf("suppressed %v, want 3 (the retry after the crash and 2 forced duplicates)", suppressed)
 	}
 	for _, j := range dupJobs {
-		if n := count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1 AND state = 'completed' AND attempt = 1`, j); n != 1 {
+		if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1 AND state = 'completed' AND attempt = 1`, j); n != 1 {
 			t.Errorf("duplicate job %d was not completed on its first attempt", j)
 		}
 	}
 	// The failed welcome mail was applied by its retry, which the receipt
 	// records.
-	if n := count(t, s.Pool, `SELECT count(*) FROM outbox_receipt WHERE event_id = $1 AND attempt = 2`, ids[1]); n != 1 {
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_receipt WHERE event_id = $1 AND attempt = 2`, ids[1]); n != 1 {
 		t.Errorf("the welcome mail's receipt is not from attempt 2")
 	}
 }
@@ -234,8 +234,8 @@ func TestWithIdempotencyConcurrentDeliveries(t *testing.T) {
 			})
 			second <- o
 		}()
-		waitFor(t, 30*time.Second, "the second delivery to wait on the first's receipt", func() bool {
-			return count(t, s.Pool, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'`, pid) == 1
+		pgtest.WaitFor(t, 30*time.Second, "the second delivery to wait on the first's receipt", func() bool {
+			return pgtest.Count(t, s.Pool, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'`, pid) == 1
 		})
 		if firstCommits {
 			err = tx1.Commit(ctx)
@@ -253,10 +253,10 @@ func TestWithIdempotencyConcurrentDeliveries(t *testing.T) {
 			t.Errorf("first commits=%v: second delivery duplicate=%v", firstCommits, o.dup)
 		}
 		want := map[bool]int{true: 1, false: 2}[firstCommits]
-		if n := count(t, s.Pool, `SELECT count(*) FROM effect WHERE event_id = $1 AND by_tx = $2`, ev.ID, want); n != 1 {
+		if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM effect WHERE event_id = $1 AND by_tx = $2`, ev.ID, want); n != 1 {
 			t.Errorf("first commits=%v: the effect of delivery %d is missing", firstCommits, want)
 		}
-		if n := count(t, s.Pool, `SELECT count(*) FROM effect WHERE event_id = $1`, ev.ID); n != 1 {
+		if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM effect WHERE event_id = $1`, ev.ID); n != 1 {
 			t.Errorf("first commits=%v: %d effects, want 1", firstCommits, n)
 		}
 	}
@@ -332,15 +332,15 @@ func TestWithClaimExternalEffectOnce(t *testing.T) {
 		return nil
 	})
 
-	ids := publish(t, s.Pool, outbox.Event{Type: "webhook.invoice.paid"})
+	ids := pgtest.Publish(t, s.Pool, outbox.Event{Type: "webhook.invoice.paid"})
 	handoff(t, s.Pool, testRoutes(t))
 	client := startWorkers(t, s.Pool, hs, nil, "outbox_webhook")
-	waitFor(t, 30*time.Second, "the webhook job to complete", func() bool {
-		return count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state = 'completed'`) == 1
+	pgtest.WaitFor(t, 30*time.Second, "the webhook job to complete", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state = 'completed'`) == 1
 	})
 	dupJob := forceDuplicate(t, s.Pool, client, ids[0])
-	waitFor(t, 30*time.Second, "the duplicate job to complete", func() bool {
-		return count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state = 'completed'`) == 2
+	pgtest.WaitFor(t, 30*time.Second, "the duplicate job to complete", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state = 'completed'`) == 2
 	})
 
 	h.mu.Lock()
@@ -370,7 +370,7 @@ func TestWithClaimExternalEffectOnce(t *testing.T) {
 			t.Errorf("result %d is %+v, want the cached delivery-2", i, r)
 		}
 	}
-	if n := count(t, s.Pool, `SELECT count(*) FROM outbox_receipt WHERE receiver = 'webhook' AND state = 'done' AND result->>'delivery_id' = 'delivery-2' AND expires_at > now() + interval '47 hours'`); n != 1 {
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_receipt WHERE receiver = 'webhook' AND state = 'done' AND result->>'delivery_id' = 'delivery-2' AND expires_at > now() + interval '47 hours'`); n != 1 {
 		t.Errorf("%d webhook receipts with the result and a 48 h TTL, want 1", n)
 	}
 }
@@ -443,7 +443,7 @@ func TestWithClaimHolders(t *testing.T) {
 		}()
 		_, _, _ = outboxriver.WithClaim(ctx, s.Pool, r, panicky, func(context.Context) (int, error) { panic("boom") })
 	}()
-	if n := count(t, s.Pool, `SELECT count(*) FROM outbox_receipt WHERE event_id = 11`); n != 0 {
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_receipt WHERE event_id = 11`); n != 0 {
 		t.Errorf("the panicking effect left its claim")
 	}
 }
@@ -471,7 +471,7 @@ func TestReceiptTTLAndPurge(t *testing.T) {
 			t.Fatalf("event %d: dup=%v runs=%d", id, dup, runs)
 		}
 	}
-	if n := count(t, s.Pool, `SELECT count(*) FROM outbox_receipt WHERE expires_at BETWEEN now() + interval '59 minutes' AND now() + interval '61 minutes'`); n != 5 {
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_receipt WHERE expires_at BETWEEN now() + interval '59 minutes' AND now() + interval '61 minutes'`); n != 5 {
 		t.Errorf("%d receipts with a 1 h TTL, want 5", n)
 	}
 	// Events 1-3 expire. An expired receipt no longer suppresses.
@@ -495,7 +495,7 @@ func TestReceiptTTLAndPurge(t *testing.T) {
 	if err != nil || n != 1 {
 		t.Fatalf("second purge batch: %d, %v; want 1", n, err)
 	}
-	if left := count(t, s.Pool, `SELECT count(*) FROM outbox_receipt WHERE event_id IN (4, 5)`); left != 2 || count(t, s.Pool, `SELECT count(*) FROM outbox_receipt`) != 2 {
+	if left := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_receipt WHERE event_id IN (4, 5)`); left != 2 || pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_receipt`) != 2 {
 		t.Errorf("the purge deleted live receipts")
 	}
 }

@@ -39,17 +39,6 @@ func get(t *testing.T, url string) (int, string) {
 	return resp.StatusCode, string(b)
 }
 
-func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", d, what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 // metricLines returns the scrape's sample lines by name{labels}.
 func metricLines(body string) map[string]string {
 	out := map[string]string{}
@@ -132,7 +121,7 @@ func TestMetricsMoveDuringDispatch(t *testing.T) {
 		`outbox_listener_connected`:                                    "1",
 	}
 	var last map[string]string
-	waitFor(t, 30*time.Second, "the counters to move", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "the counters to move", func() bool {
 		_, body := get(t, srv.URL+"/metrics")
 		last = metricLines(body)
 		for k, v := range want {
@@ -242,7 +231,7 @@ func TestReadyzTurnsUnreadyWhenDatabaseUnreachable(t *testing.T) {
 		t.Fatalf("/readyz through the proxy = %d %q", code, body)
 	}
 	p.Close()
-	waitFor(t, 30*time.Second, "/readyz to turn unready", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "/readyz to turn unready", func() bool {
 		code, body := get(t, srv.URL+"/readyz")
 		return code == http.StatusServiceUnavailable && strings.Contains(body, "database unreachable")
 	})
@@ -274,7 +263,7 @@ func TestWatchListenerAlertsOncePerOutage(t *testing.T) {
 
 	waitTicks := func(n int64) {
 		start := f.checks.Load()
-		waitFor(t, 30*time.Second, "the watcher to tick", func() bool { return f.checks.Load() >= start+n })
+		pgtest.WaitFor(t, 30*time.Second, "the watcher to tick", func() bool { return f.checks.Load() >= start+n })
 	}
 	waitTicks(5)
 	if len(got) != 0 {

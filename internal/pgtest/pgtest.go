@@ -22,6 +22,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxhq/outbox"
 	outboxsql "github.com/outboxhq/outbox/sql"
 )
 
@@ -138,13 +139,24 @@ func NewSchema(tb testing.TB, opts *Options) *Schema {
 		tb.Fatalf("pgtest: %v", err)
 	}
 	tb.Cleanup(func() {
-		pool.Close()
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 		defer cancel()
-		// Terminate leftovers (a subprocess, a listener) before dropping.
+		// Terminate the schema's sessions first (a subprocess, a listener,
+		// or a goroutine of a failed test blocked on a lock): pool.Close
+		// waits for every acquired connection and would hang on them.
 		_, _ = admin.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
 			WHERE pid <> pg_backend_pid() AND datname = current_database()
-			AND query_start IS NOT NULL AND application_name = $1`, name)
+			AND application_name = $1`, name)
+		closed := make(chan struct{})
+		go func() {
+			defer close(closed)
+			pool.Close()
+		}()
+		select {
+		case <-closed:
+		case <-ctx.Done():
+			tb.Logf("pgtest: pool of %s did not close: a connection is still held", name)
+		}
 		if _, err := admin.Exec(ctx, "DROP SCHEMA "+name+" CASCADE"); err != nil {
 			tb.Logf("pgtest: drop schema %s: %v", name, err)
 		}
@@ -174,4 +186,44 @@ func Context(tb testing.TB, d time.Duration) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), d)
 	tb.Cleanup(cancel)
 	return ctx
+}
+
+// Publish writes events in one transaction and returns their ids.
+func Publish(tb testing.TB, pool *pgxpool.Pool, events ...outbox.Event) []int64 {
+	tb.Helper()
+	var ids []int64
+	err := pgx.BeginFunc(context.Background(), pool, func(tx pgx.Tx) error {
+		res, err := outbox.PublishMany(context.Background(), tx, events)
+		for _, r := range res {
+			ids = append(ids, r.ID)
+		}
+		return err
+	})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return ids
+}
+
+// WaitFor polls cond every 20 ms until it holds, or fails the test after d.
+// Deadlines here are generous: they bound a hang, they do not measure.
+func WaitFor(tb testing.TB, d time.Duration, what string, cond func() bool) {
+	tb.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			tb.Fatalf("timed out after %s waiting for %s", d, what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// Count runs a query returning one integer.
+func Count(tb testing.TB, pool *pgxpool.Pool, sql string, args ...any) int {
+	tb.Helper()
+	var n int
+	if err := pool.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
+		tb.Fatalf("%s: %v", sql, err)
+	}
+	return n
 }
