@@ -9,6 +9,7 @@
 #      postgres; apt-get installs postgresql when they are missing), run as the
 #      postgres user on a free port in a temporary directory, and removed when
 #      COMMAND exits.
+# OUTBOX_PG_THROWAWAY=1 skips 1 and 2 and always starts a throwaway cluster.
 set -euo pipefail
 
 log() { echo "with-postgres: $*" >&2; }
@@ -36,7 +37,7 @@ find_bin() {
 }
 
 start_throwaway() {
-	local initdb pgctl
+	initdb="" pgctl=""
 	initdb=$(find_bin initdb || true)
 	if [ -z "$initdb" ]; then
 		log "no Postgres server binaries; installing postgresql with apt-get"
@@ -45,10 +46,10 @@ start_throwaway() {
 		initdb=$(find_bin initdb)
 	fi
 	pgctl=$(dirname "$initdb")/pg_ctl
-	local dir port
+	dir="" port=""
 	dir=$(mktemp -d /tmp/outbox-pg.XXXXXX)
 	port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null || echo 55432)
-	local run=()
+	run=()
 	if [ "$(id -u)" = 0 ]; then
 		id postgres >/dev/null 2>&1 || useradd --system --home "$dir" postgres
 		chown postgres "$dir"
@@ -67,7 +68,10 @@ start_throwaway() {
 	}
 }
 
-if [ -z "$url" ]; then
+if [ "${OUTBOX_PG_THROWAWAY:-}" = 1 ]; then
+	url=""
+	start_throwaway
+elif [ -z "$url" ]; then
 	if can_connect "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"; then
 		url="postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
 	else
