@@ -30,7 +30,8 @@ build: ## build outboxd and outboxctl into bin/
 lint: ## gofmt, go vet and golangci-lint (.golangci.yml)
 	@test -z "$$(gofmt -l . | tee /dev/stderr)" || (echo "gofmt: files above need formatting" >&2; exit 1)
 	$(GO) vet ./...
-	@if [ -x "$(GOLANGCI)" ]; then $(GOLANGCI) run ./...; else echo "golangci-lint not installed: go install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v2.15.0"; fi
+	cd bench && $(GO) vet ./...
+	@if [ -x "$(GOLANGCI)" ]; then $(GOLANGCI) run ./... && cd bench && $(GOLANGCI) run --config ../.golangci.yml ./...; else echo "golangci-lint not installed: go install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v2.15.0"; fi
 
 .PHONY: bench
 bench: ## the full benchmark suite (about five minutes): table on stdout, JSON and plots in bench/results/

@@ -34,7 +34,7 @@ func referenceType(t string) bool {
 		}
 		for i := 0; i < len(s); i++ {
 			c := s[i]
-			if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-') {
+			if (c < 'a' || c > 'z') && (c < '0' || c > '9') && c != '-' {
 				return false
 			}
 		}

@@ -185,7 +185,7 @@ func startOutboxd(ctx context.Context, e *env, bin, schema string, i, batch, con
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command(bin)
+	cmd := exec.CommandContext(ctx, bin)
 	cmd.Env = append(os.Environ(),
 		"DATABASE_URL="+e.schemaURL(schema, fmt.Sprintf("bench-outboxd-%d", i)),
 		"OUTBOX_DISPATCHER_ENABLED=true",
@@ -199,14 +199,14 @@ func startOutboxd(ctx context.Context, e *env, bin, schema string, i, batch, con
 	cmd.Stdout = f
 	cmd.Stderr = f
 	if err := cmd.Start(); err != nil {
-		f.Close()
+		_ = f.Close()
 		return nil, err
 	}
 	return &proc{cmd: cmd, stderr: f}, nil
 }
 
 func (p *proc) stop() error {
-	defer p.stderr.Close()
+	defer func() { _ = p.stderr.Close() }()
 	_ = p.cmd.Process.Signal(syscall.SIGTERM)
 	done := make(chan error, 1)
 	go func() { done <- p.cmd.Wait() }()
@@ -215,7 +215,7 @@ func (p *proc) stop() error {
 		return err
 	case <-time.After(30 * time.Second):
 		_ = p.cmd.Process.Kill()
-		<-done
+		<-done //nolint:errcheck // the process was killed; its exit error says nothing new
 		return fmt.Errorf("outboxd %d did not exit within 30 s of SIGTERM", p.cmd.Process.Pid)
 	}
 }
@@ -253,7 +253,7 @@ func drainOnce(ctx context.Context, e *env, bin string, n, k, batch, concurrency
 	if err := waitWakeLock(ctx, p, 30*time.Second); err != nil {
 		return r, fmt.Errorf("%w\n%s", err, procs[0].log())
 	}
-	if err := waitListeners(ctx, p, schema, k); err != nil {
+	if err := waitListeners(ctx, p, k); err != nil {
 		return r, err
 	}
 	time.Sleep(500 * time.Millisecond) // the others give up on the wake lock (250 ms) and sleep
@@ -349,7 +349,7 @@ func loadBacklog(ctx context.Context, p *pgxpool.Pool, n int) error {
 	return nil
 }
 
-func waitListeners(ctx context.Context, p *pgxpool.Pool, schema string, k int) error {
+func waitListeners(ctx context.Context, p *pgxpool.Pool, k int) error {
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		var n int

@@ -63,7 +63,7 @@ func newEnv(ctx context.Context, o *Options) (*env, error) {
 	if err != nil {
 		return nil, fmt.Errorf("connect to %s: %w (set TEST_DATABASE_URL, or run `make bench`, which starts a Postgres)", redact(o.URL), err)
 	}
-	defer conn.Close(context.WithoutCancel(ctx))
+	defer func() { _ = conn.Close(context.WithoutCancel(ctx)) }()
 	if _, err := conn.Exec(cctx, "CREATE DATABASE "+pgx.Identifier{e.dbName}.Sanitize()); err != nil {
 		return nil, fmt.Errorf("create database %s: %w", e.dbName, err)
 	}
@@ -107,7 +107,7 @@ func (e *env) close() {
 		logf("drop database %s: %v", e.dbName, err)
 		return
 	}
-	defer conn.Close(ctx)
+	defer func() { _ = conn.Close(ctx) }()
 	if _, err := conn.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{e.dbName}.Sanitize()+" WITH (FORCE)"); err != nil {
 		logf("drop database %s: %v", e.dbName, err)
 		return
@@ -305,7 +305,7 @@ func firstField(path, key string) string {
 	if err != nil {
 		return ""
 	}
-	defer f.Close()
+	defer func() { _ = f.Close() }()
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
 		k, v, ok := strings.Cut(sc.Text(), ":")

@@ -149,7 +149,7 @@ func latencyMode(ctx context.Context, e *env, o *Options, mode string) (LatencyR
 	c := newClocks()
 	rc, err := workerClient(ctx, e, wp, c)
 	if err != nil {
-		return res, fmt.Errorf("River workers: %w", err)
+		return res, fmt.Errorf("start the River workers: %w", err)
 	}
 	defer func() {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)

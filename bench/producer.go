@@ -116,7 +116,7 @@ func runProducer(ctx context.Context, e *env, o *Options, drain *DrainResults) (
 						return nil, fmt.Errorf("%s, %d clients, dispatcher %s: %w", v, clients, state, err)
 					}
 					if prev := row[v]; prev != nil {
-						c.Samples = append(prev.Samples, c.TPS)
+						c.Samples = append(append([]float64(nil), prev.Samples...), c.TPS)
 						c.Tx += prev.Tx
 						c.Seconds += prev.Seconds
 						c.Wakes += prev.Wakes

@@ -26,10 +26,10 @@ func TestLedgerDetectsEveryKindOfLoss(t *testing.T) {
 			continue // lost: never stored
 		}
 		status := "done"
-		switch {
-		case i == 7:
+		switch i {
+		case 7:
 			status = "failed"
-		case i == 6:
+		case 6:
 			status = "pending" // stuck
 		}
 		var id int64

@@ -48,20 +48,27 @@ func beginAndQuery(ctx context.Context, conn *pgx.Conn, setup []string, sql stri
 	return tx, &batchRows{Rows: rows, br: br}, nil
 }
 
-// batchRows closes the batch when the rows are closed.
+// batchRows closes the batch when the rows are closed; a failure to close
+// it (a broken connection) is reported by Err after Close.
 type batchRows struct {
 	pgx.Rows
-	br pgx.BatchResults
+	br       pgx.BatchResults
+	closeErr error
 }
 
 func (r *batchRows) Close() {
 	r.Rows.Close()
-	if err := r.br.Close(); err != nil && r.Rows.Err() == nil {
-		// Surface nothing here: Err() already reports row errors, and a
-		// close error means the connection is broken, which the next
-		// statement will report.
-		_ = err
+	if r.br != nil {
+		r.closeErr = r.br.Close()
+		r.br = nil
 	}
+}
+
+func (r *batchRows) Err() error {
+	if err := r.Rows.Err(); err != nil {
+		return err
+	}
+	return r.closeErr
 }
 
 // commitWith runs the final statements and COMMIT in one round trip.

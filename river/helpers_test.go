@@ -89,27 +89,6 @@ func startWorkers(t *testing.T, pool *pgxpool.Pool, handlers *outboxriver.Handle
 	return client
 }
 
-// jobStates returns the states of every job of event id, by queue.
-func jobStates(t *testing.T, pool *pgxpool.Pool, id int64) map[string][]string {
-	t.Helper()
-	rows, err := pool.Query(context.Background(), `SELECT queue, state::text FROM river_job WHERE (args->>'event_id')::bigint = $1 ORDER BY id`, id)
-	if err != nil {
-		t.Fatal(err)
-	}
-	out := map[string][]string{}
-	for rows.Next() {
-		var q, s string
-		if err := rows.Scan(&q, &s); err != nil {
-			t.Fatal(err)
-		}
-		out[q] = append(out[q], s)
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	return out
-}
-
 // alerts collects alerts.
 type alerts struct {
 	mu  sync.Mutex

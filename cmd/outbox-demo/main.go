@@ -122,7 +122,7 @@ func run(invoices, rate int, keep bool) error {
 	if err != nil {
 		return fmt.Errorf("connect (set DATABASE_URL): %w", err)
 	}
-	defer admin.Close(context.Background())
+	defer func() { _ = admin.Close(context.Background()) }()
 	if _, err := admin.Exec(ctx, "CREATE DATABASE "+dbName); err != nil {
 		return err
 	}
@@ -163,7 +163,7 @@ func run(invoices, rate int, keep bool) error {
 	}
 	srv := &http.Server{Handler: hook, ReadHeaderTimeout: 5 * time.Second}
 	go func() { _ = srv.Serve(ln) }()
-	defer srv.Close()
+	defer func() { _ = srv.Close() }()
 	hookURL := "http://" + ln.Addr().String() + "/hook"
 
 	routesFile, _ := filepath.Abs("docs/examples/routes.yaml")
@@ -523,7 +523,7 @@ func (ps *processes) exited() error {
 	for _, p := range ps.procs {
 		select {
 		case <-p.done:
-			return fmt.Errorf("the %s group exited early: %v", p.name, p.err)
+			return fmt.Errorf("the %s group exited early: %w", p.name, p.err)
 		default:
 		}
 	}

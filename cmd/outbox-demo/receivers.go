@@ -90,7 +90,7 @@ func receiverHandlers(pool *pgxpool.Pool, hookURL string) *outboxriver.Handlers 
 			if err != nil {
 				return webhookResult{}, err
 			}
-			defer resp.Body.Close()
+			defer func() { _ = resp.Body.Close() }()
 			id, _ := io.ReadAll(io.LimitReader(resp.Body, 256))
 			if resp.StatusCode >= 300 {
 				return webhookResult{}, fmt.Errorf("webhook answered %s", resp.Status)
