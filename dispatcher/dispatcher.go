@@ -38,8 +38,9 @@ type Config struct {
 	Routes *route.Table
 	// BatchSize is the most events claimed per batch. 0 means 100.
 	BatchSize int
-	// Concurrency is the most batches in flight at once while draining.
-	// 0 means 10.
+	// Concurrency is the most batches in flight at once while draining; a
+	// drain starts with two and adds one while that raises its rate (see
+	// drainParallel). 0 means 10.
 	Concurrency int
 	// PollInterval is the fallback poll cadence. 0 means 1 s.
 	PollInterval time.Duration
@@ -61,6 +62,9 @@ type Config struct {
 	PingInterval   time.Duration
 	// WakeLockTimeout bounds the wait for the wake lock. 0 means 250 ms.
 	WakeLockTimeout time.Duration
+	// DrainWindow is how often a parallel drain measures its rate to decide
+	// whether one more batch in flight helps. 0 means 250 ms.
+	DrainWindow time.Duration
 	// Linger is how long a dispatcher that just handed events off waits
 	// before looking again, instead of going idle (taking the wake lock,
 	// which makes producers notify). Only a pass that finds nothing sends
@@ -103,6 +107,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.WakeLockTimeout == 0 {
 		c.WakeLockTimeout = 250 * time.Millisecond
+	}
+	if c.DrainWindow == 0 {
+		c.DrainWindow = 250 * time.Millisecond
 	}
 	switch {
 	case c.Linger == 0:
@@ -148,6 +155,9 @@ type Stats struct {
 	Wakes        int64
 	Polls        int64
 	Errors       int64
+	// DrainWorkers is the number of batches in flight the last parallel
+	// drain settled on (0 before the first).
+	DrainWorkers int64
 }
 
 // Dispatcher is the dispatch loop. Create it with New.
@@ -162,6 +172,8 @@ type Dispatcher struct {
 
 	batches, events, jobs, unroutable, retried, dead, wakes, polls, errs atomic.Int64
 	running                                                              atomic.Bool
+	// drainWorkers is the number of workers of the last parallel drain.
+	drainWorkers atomic.Int64
 	// resume is the furthest claim position of the current drain.
 	resume atomic.Pointer[claim.Position]
 
@@ -206,6 +218,7 @@ func (d *Dispatcher) Stats() Stats {
 		Batches: d.batches.Load(), Events: d.events.Load(), Jobs: d.jobs.Load(),
 		Unroutable: d.unroutable.Load(), Retried: d.retried.Load(), DeadLettered: d.dead.Load(),
 		Wakes: d.wakes.Load(), Polls: d.polls.Load(), Errors: d.errs.Load(),
+		DrainWorkers: d.drainWorkers.Load(),
 	}
 }
 
@@ -444,17 +457,41 @@ func (d *Dispatcher) drain(ctx context.Context) (int, error) {
 		return total, nil
 	}
 
+	n, err = d.drainParallel(ctx)
+	return total + n, err
+}
+
+// drainParallel drains with several batches in flight. Concurrency is a
+// ceiling, not a target: what limits a drain is the database, and past its
+// knee (about its core count) more batches in flight only add lock and
+// buffer contention (docs/benchmarks.md). So it starts with two workers and
+// adds one per window while the drain rate still rises by 5 %; when an added
+// worker brings no gain it is retired and the count stays. Each worker
+// claims batches until one comes back short.
+func (d *Dispatcher) drainParallel(ctx context.Context) (int, error) {
 	var (
 		wg      sync.WaitGroup
 		errOnce sync.Once
 		first   error
 		claimed atomic.Int64
+		exited  = make(chan struct{}, d.cfg.Concurrency)
+		quits   []chan struct{}
+		active  int
 	)
-	for range d.cfg.Concurrency {
+	spawn := func() {
+		quit := make(chan struct{})
+		quits = append(quits, quit)
+		active++
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			defer func() { exited <- struct{}{} }()
 			for !d.stopping() && ctx.Err() == nil {
+				select {
+				case <-quit:
+					return
+				default:
+				}
 				n, err := d.pass(ctx, true)
 				claimed.Add(int64(n))
 				if err != nil {
@@ -467,8 +504,45 @@ func (d *Dispatcher) drain(ctx context.Context) (int, error) {
 			}
 		}()
 	}
+	for range min(2, d.cfg.Concurrency) {
+		spawn()
+	}
+	d.drainWorkers.Store(int64(active))
+
+	tick := time.NewTicker(d.cfg.DrainWindow)
+	defer tick.Stop()
+	var (
+		last, prevRate int64
+		trial, settled bool
+	)
+	for active > 0 {
+		select {
+		case <-exited:
+			active--
+			settled = true // the backlog is running out (or a pass failed)
+		case <-tick.C:
+			cur := claimed.Load()
+			rate := cur - last
+			last = cur
+			switch {
+			case settled:
+			case trial && rate*100 < prevRate*105:
+				// The last worker added nothing: retire it, stay here.
+				close(quits[len(quits)-1])
+				quits = quits[:len(quits)-1]
+				d.drainWorkers.Store(int64(len(quits)))
+				settled = true
+			case len(quits) < d.cfg.Concurrency:
+				prevRate, trial = rate, true
+				spawn()
+				d.drainWorkers.Store(int64(len(quits)))
+			default:
+				settled = true
+			}
+		}
+	}
 	wg.Wait()
-	return total + int(claimed.Load()), first
+	return int(claimed.Load()), first
 }
 
 // pass runs one batch and returns how many events it claimed.

@@ -471,3 +471,26 @@ func TestConfigValidation(t *testing.T) {
 		t.Fatalf("Start on an unmigrated schema: err = %v", err)
 	}
 }
+
+// TestAdaptiveDrainStaysWithinConcurrency: a parallel drain starts with two
+// batches in flight, may add more while that helps, never exceeds
+// Concurrency, and hands every event off once.
+func TestAdaptiveDrainStaysWithinConcurrency(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 20})
+	ctx := context.Background()
+	if _, err := s.Pool.Exec(ctx, `INSERT INTO outbox_event (event_type, payload) SELECT 'mail.user.welcome', '{}' FROM generate_series(1, 6000)`); err != nil {
+		t.Fatal(err)
+	}
+	d := start(t, s.Pool, dispatcher.Config{BatchSize: 50, Concurrency: 5, DrainWindow: 20 * time.Millisecond, PollInterval: 100 * time.Millisecond})
+	pgtest.WaitFor(t, 60*time.Second, "the drain", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'pending'`) == 0
+	})
+	if w := d.Stats().DrainWorkers; w < 2 || w > 5 {
+		t.Fatalf("drain settled on %d batches in flight, want 2..5", w)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job`); n != 6000 {
+		t.Fatalf("%d jobs, want 6000", n)
+	}
+	assertLedger(t, s.Pool, testRoutes(t))
+}
