@@ -307,6 +307,11 @@ func Publish(ctx context.Context, tx pgx.Tx, event Event) (Published, error) {
 // input position to its own id or to the stored event with the same key.
 // A key stored by a transaction that commits while this statement waits is
 // invisible to the statement's snapshot; PublishMany looks those up again.
+// The stored event is found by a scalar subquery, which COALESCE runs only
+// for duplicates and which always probes the unique index: as a LEFT JOIN,
+// the cached generic plan of this prepared statement turned into a hash
+// join over the whole table, and every publish grew slower with the table
+// (0.9 → 2.0 ms over 10,000 events).
 const publishManySQL = `
 WITH input AS (
     SELECT nextval('outbox_event_id_seq') AS id, t.ord, t.event_type, t.payload, t.tenant_id, t.dispatch_key
@@ -320,10 +325,10 @@ ins AS (
     ON CONFLICT (dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
     RETURNING id
 )
-SELECT input.ord, ins.id IS NULL AS duplicate, COALESCE(ins.id, existing.id, 0)
+SELECT input.ord, ins.id IS NULL AS duplicate,
+       COALESCE(ins.id, (SELECT e.id FROM outbox_event e WHERE e.dispatch_key = input.dispatch_key), 0)
 FROM input
 LEFT JOIN ins ON ins.id = input.id
-LEFT JOIN outbox_event existing ON ins.id IS NULL AND existing.dispatch_key = input.dispatch_key
 ORDER BY input.ord`
 
 const lookupKeysSQL = `SELECT dispatch_key, id FROM outbox_event WHERE dispatch_key = ANY($1::text[])`
