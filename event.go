@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"strconv"
 	"strings"
 	"unicode/utf8"
 
@@ -91,7 +92,7 @@ func ValidateType(t string) error {
 	case len(t) > MaxTypeBytes:
 		return fmt.Errorf("is %d bytes, the limit is %d", len(t), MaxTypeBytes)
 	case !utf8.ValidString(t) || !typePattern.MatchString(t):
-		return fmt.Errorf("%q must be at least three dot-separated segments of lowercase [a-z0-9] with inner dashes, e.g. billing.invoice.paid", truncate(t, 80))
+		return fmt.Errorf("%s must be at least three dot-separated segments of lowercase [a-z0-9] with inner dashes, e.g. billing.invoice.paid", quoteShort(t, 80))
 	}
 	return nil
 }
@@ -279,6 +280,17 @@ func validateText(s string, limit int) error {
 		return errors.New("is not valid UTF-8")
 	}
 	return nil
+}
+
+// quoteShort quotes s in ASCII (invalid bytes and control characters
+// escaped) and cuts the quoted form at n bytes, so that a message stays
+// short and printable whatever the input.
+func quoteShort(s string, n int) string {
+	q := strconv.QuoteToASCII(s)
+	if len(q) <= n {
+		return q
+	}
+	return q[:n] + "…"
 }
 
 func truncate(s string, n int) string {
