@@ -73,11 +73,19 @@ func startHTTP(addr string, h http.Handler, logger *slog.Logger) (func(context.C
 		return nil, fmt.Errorf("OUTBOX_HTTP_ADDR=%s: %w", addr, err)
 	}
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+	served := make(chan struct{})
 	go func() {
+		defer close(served)
 		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			logger.Error("HTTP listener failed", slog.String("error", err.Error()))
 		}
 	}()
 	logger.Info("serving /metrics, /healthz and /readyz", slog.String("addr", ln.Addr().String()))
-	return srv.Shutdown, nil
+	// The stop function drains open requests (until ctx ends) and waits
+	// for the serving goroutine.
+	return func(ctx context.Context) error {
+		err := srv.Shutdown(ctx)
+		<-served
+		return err
+	}, nil
 }
