@@ -169,7 +169,12 @@ func latencyMode(ctx context.Context, e *env, o *Options, mode string) (LatencyR
 			PollInterval:   time.Second,
 			Logger:         e.quiet,
 			OnBatch: func(r claim.Result) {
-				c.mark(c.handoff, time.Now(), r.IDs...)
+				now := time.Now()
+				ids := make([]int64, len(r.Handed))
+				for i, h := range r.Handed {
+					ids[i] = h.ID
+				}
+				c.mark(c.handoff, now, ids...)
 			},
 		})
 		if err != nil {

@@ -184,22 +184,24 @@ type Result struct {
 	// Skipped events were claimed by another dispatcher during the
 	// event-by-event retry.
 	Skipped int
-	// Oldest is the created_at of the oldest handed-off event (zero if none).
-	Oldest time.Time
-	// CreatedAt of every handed-off event, for latency metrics.
-	CreatedAt []time.Time
-	// IDs of every handed-off event, parallel to CreatedAt (benchmarks
-	// time each event's handoff by id).
-	IDs []int64
-	// Types of every handed-off event, parallel to CreatedAt (metrics count
-	// dispatched events by route).
-	Types []string
+	// Handed lists the handed-off events, in claim order (metrics count
+	// them by route and time them; benchmarks time each by id).
+	Handed []Handed
 	// Fallback is true when the batch failed as a whole and its events were
 	// retried one by one.
 	Fallback bool
 	// Last is the claim-order position of the last claimed event (zero
 	// when none was claimed), where BatchAfter can continue.
 	Last Position
+}
+
+// Handed is one event handed off to River.
+type Handed struct {
+	ID   int64
+	Type string
+	// Route is the prefix of the rule that routed it.
+	Route     string
+	CreatedAt time.Time
 }
 
 func (r *Result) add(o Result) {
@@ -209,9 +211,7 @@ func (r *Result) add(o Result) {
 	r.Retried += o.Retried
 	r.DeadLettered += o.DeadLettered
 	r.Skipped += o.Skipped
-	r.CreatedAt = append(r.CreatedAt, o.CreatedAt...)
-	r.IDs = append(r.IDs, o.IDs...)
-	r.Types = append(r.Types, o.Types...)
+	r.Handed = append(r.Handed, o.Handed...)
 }
 
 // Batch claims up to limit due events and hands them off in one
@@ -357,8 +357,8 @@ func (h *Handoff) handoff(ctx context.Context, tx *pipeTx, events []Event) (Resu
 	)
 	for i := range events {
 		e := &events[i]
-		queues := h.Routes.Queues(e.Type)
-		if len(queues) == 0 {
+		rule, ok := h.Routes.Match(e.Type)
+		if !ok {
 			unroutable = append(unroutable, *e)
 			continue
 		}
@@ -370,14 +370,12 @@ func (h *Handoff) handoff(ctx context.Context, tx *pipeTx, events []Event) (Resu
 			DispatchKey: e.DispatchKey,
 			CreatedAt:   e.CreatedAt,
 		}
-		for _, q := range queues {
+		for _, q := range rule.Queues {
 			params = append(params, river.InsertManyParams{Args: args, InsertOpts: &river.InsertOpts{Queue: q}})
 			jobEvent = append(jobEvent, e.ID)
 		}
 		res.Done++
-		res.CreatedAt = append(res.CreatedAt, e.CreatedAt)
-		res.IDs = append(res.IDs, e.ID)
-		res.Types = append(res.Types, e.Type)
+		res.Handed = append(res.Handed, Handed{ID: e.ID, Type: e.Type, Route: rule.Prefix, CreatedAt: e.CreatedAt})
 	}
 	if len(params) > 0 {
 		inserted, err := h.River.InsertManyTx(ctx, tx, params)

@@ -305,8 +305,8 @@ func TestBatchAfterContinuesFromPosition(t *testing.T) {
 	if err != nil || next.Claimed != 2 {
 		t.Fatalf("BatchAfter = %+v %v, want the 2 events after the position", next, err)
 	}
-	for _, id := range next.IDs {
-		if id == late {
+	for _, h := range next.Handed {
+		if h.ID == late {
 			t.Fatal("BatchAfter claimed the row behind its position")
 		}
 	}
@@ -314,7 +314,7 @@ func TestBatchAfterContinuesFromPosition(t *testing.T) {
 		t.Fatalf("position did not advance: %+v then %+v", first.Last, next.Last)
 	}
 	full, err := h.Batch(ctx, 10)
-	if err != nil || full.Claimed != 1 || full.IDs[0] != late {
+	if err != nil || full.Claimed != 1 || full.Handed[0].ID != late {
 		t.Fatalf("Batch = %+v %v, want the late row", full, err)
 	}
 }

@@ -38,7 +38,9 @@ import (
 type Config struct {
 	// Pool reads the table gauges at scrape time; nil leaves them out.
 	Pool *pgxpool.Pool
-	// Routes label events by rule prefix; nil labels every route "unknown".
+	// Routes label failed events (alerts carry only the type) by rule
+	// prefix; nil labels them "unknown". Dispatched events carry the rule
+	// that routed them (claim.Handed.Route), so they are not routed again.
 	Routes *route.Table
 	// QueryTimeout bounds the scrape-time query. 0 means 2 s.
 	QueryTimeout time.Duration
@@ -168,13 +170,9 @@ func (m *Metrics) OnBatch(r claim.Result) {
 	m.jobs.Add(float64(r.Jobs))
 	m.retried.Add(float64(r.Retried))
 	now := time.Now()
-	for i, created := range r.CreatedAt {
-		m.latency.Observe(max(now.Sub(created).Seconds(), 0))
-		typ := ""
-		if i < len(r.Types) {
-			typ = r.Types[i]
-		}
-		m.dispatched.WithLabelValues(m.routeOf(typ)).Inc()
+	for _, h := range r.Handed {
+		m.latency.Observe(max(now.Sub(h.CreatedAt).Seconds(), 0))
+		m.dispatched.WithLabelValues(h.Route).Inc()
 	}
 }
 

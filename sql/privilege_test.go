@@ -166,8 +166,8 @@ func TestDispatcherRoleDispatches(t *testing.T) {
 		OnBatch: func(r claim.Result) {
 			mu.Lock()
 			defer mu.Unlock()
-			for _, id := range r.IDs {
-				handed[id] = true
+			for _, h := range r.Handed {
+				handed[h.ID] = true
 			}
 		},
 	})
