@@ -92,6 +92,10 @@ FOR UPDATE SKIP LOCKED`
 // and then costs 0.1-0.2 ms). Local to the batch transaction.
 const planSettingsSQL = `SELECT set_config('enable_bitmapscan', 'off', true), set_config('enable_seqscan', 'off', true)`
 
+// asyncPlanSettingsSQL is planSettingsSQL plus synchronous_commit = off
+// (Handoff.SynchronousCommit false), in the same statement.
+const asyncPlanSettingsSQL = `SELECT set_config('enable_bitmapscan', 'off', true), set_config('enable_seqscan', 'off', true), set_config('synchronous_commit', 'off', true)`
+
 // claimOneSQL re-locks one event for the event-by-event retry.
 const claimOneSQL = `
 SELECT id, event_type, tenant_id, payload, dispatch_key, retries, created_at, scheduled_at
@@ -158,7 +162,7 @@ type Handoff struct {
 	MaxRetries int
 	Alerter    alert.Alerter
 	// SynchronousCommit makes the batch transaction wait for its WAL flush.
-	// By default it does not (SET LOCAL synchronous_commit = off): the
+	// By default it does not (synchronous_commit off for the transaction): the
 	// handoff stays exactly-once because a River worker can only start a
 	// job after its own synchronous commit, which flushes the WAL up to and
 	// including this earlier transaction; a crash before that loses the
@@ -325,9 +329,9 @@ func (h *Handoff) One(ctx context.Context, id int64, batchErr error) (Result, er
 
 // begin opens the batch transaction and claims, in one round trip.
 func (h *Handoff) begin(ctx context.Context, conn *pgx.Conn, sql string, args ...any) (*pipeTx, []Event, error) {
-	setup := []string{planSettingsSQL}
+	setup := planSettingsSQL
 	if !h.SynchronousCommit {
-		setup = append(setup, "SET LOCAL synchronous_commit = off")
+		setup = asyncPlanSettingsSQL
 	}
 	tx, rows, err := beginAndQuery(ctx, conn, setup, sql, args...)
 	if err != nil {

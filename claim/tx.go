@@ -21,18 +21,16 @@ type pipeTx struct {
 
 var errNested = errors.New("claim: nested transactions are not supported in a batch transaction")
 
-// beginAndQuery sends BEGIN, the given setup statements and the query in one
-// round trip and returns the open transaction and the query's rows.
-func beginAndQuery(ctx context.Context, conn *pgx.Conn, setup []string, sql string, args ...any) (*pipeTx, pgx.Rows, error) {
+// beginAndQuery sends BEGIN, a setup statement and the query in one round
+// trip and returns the open transaction and the query's rows.
+func beginAndQuery(ctx context.Context, conn *pgx.Conn, setup, sql string, args ...any) (*pipeTx, pgx.Rows, error) {
 	b := &pgx.Batch{}
 	b.Queue("begin")
-	for _, s := range setup {
-		b.Queue(s)
-	}
+	b.Queue(setup)
 	b.Queue(sql, args...)
 	br := conn.SendBatch(ctx, b)
 	tx := &pipeTx{conn: conn}
-	for range 1 + len(setup) {
+	for range 2 {
 		if _, err := br.Exec(); err != nil {
 			_ = br.Close()
 			tx.abandon(ctx)

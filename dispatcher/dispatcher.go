@@ -333,7 +333,8 @@ func (d *Dispatcher) run(ctx context.Context) {
 	defer poll.Stop()
 
 	failures := 0
-	backoff := func() {
+	backoff := func(err error) {
+		d.logger.Error("outbox dispatch pass failed", slog.String("error", err.Error()))
 		failures++
 		d.errs.Add(1)
 		if failures == d.cfg.FailureAlertAfter {
@@ -354,8 +355,7 @@ func (d *Dispatcher) run(ctx context.Context) {
 	for !d.stopping() && ctx.Err() == nil {
 		n, err := d.drain(ctx)
 		if err != nil {
-			d.logger.Error("outbox dispatch pass failed", slog.String("error", err.Error()))
-			backoff()
+			backoff(err)
 			continue
 		}
 		failures = 0
@@ -388,8 +388,7 @@ func (d *Dispatcher) run(ctx context.Context) {
 					// dispatchers must not make producers notify).
 					_ = d.lock.release(ctx)
 					if err != nil {
-						d.logger.Error("outbox dispatch pass failed", slog.String("error", err.Error()))
-						backoff()
+						backoff(err)
 					}
 					continue
 				}
@@ -418,8 +417,8 @@ func (d *Dispatcher) wakeC() <-chan struct{} {
 }
 
 // drain releases the wake lock (concurrently with the first batch) and
-// claims batches until one comes back short, fanning out to Concurrency
-// batches in flight while they come back full.
+// claims batches until one comes back short; when the first comes back
+// full it continues with several batches in flight (drainParallel).
 func (d *Dispatcher) drain(ctx context.Context) (int, error) {
 	var released chan struct{}
 	if d.lock != nil && d.lock.held {
@@ -446,19 +445,8 @@ func (d *Dispatcher) drain(ctx context.Context) (int, error) {
 	if err != nil || n < d.cfg.BatchSize || d.stopping() {
 		return n, err
 	}
-	total := n
-	if d.cfg.Concurrency == 1 {
-		for n == d.cfg.BatchSize && !d.stopping() {
-			if n, err = d.pass(ctx, true); err != nil {
-				return total, err
-			}
-			total += n
-		}
-		return total, nil
-	}
-
-	n, err = d.drainParallel(ctx)
-	return total + n, err
+	more, err := d.drainParallel(ctx)
+	return n + more, err
 }
 
 // drainParallel drains with several batches in flight. Concurrency is a
