@@ -1,7 +1,6 @@
 package chaos
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -22,6 +21,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/internal/proctest"
 )
 
 // The routes every scenario uses: one queue, a fan-out, and no route for
@@ -90,28 +90,10 @@ func withPassword(url, password string) string {
 	return url + " password=" + password
 }
 
-// syncBuffer collects a process's output.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // daemon is one outboxd process.
 type daemon struct {
 	cmd    *exec.Cmd
-	out    *syncBuffer
+	out    *proctest.SyncBuffer
 	exited chan struct{}
 	err    error
 }
@@ -137,7 +119,7 @@ func daemonEnv(url, routes string, extra ...string) []string {
 // startDaemon starts outboxd with env; the test's cleanup kills it.
 func startDaemon(t testing.TB, env []string) *daemon {
 	t.Helper()
-	d := &daemon{cmd: exec.Command(outboxdBin), out: &syncBuffer{}, exited: make(chan struct{})}
+	d := &daemon{cmd: exec.Command(outboxdBin), out: &proctest.SyncBuffer{}, exited: make(chan struct{})}
 	d.cmd.Env = env
 	d.cmd.Stdout, d.cmd.Stderr = d.out, d.out
 	if err := d.cmd.Start(); err != nil {

@@ -395,10 +395,11 @@ func TestStaleProcessingRowsAreRescued(t *testing.T) {
 	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET status = 'processing', locked_until = now() + interval '1 hour' WHERE id = $1`, ids[1]); err != nil {
 		t.Fatal(err)
 	}
-	start(t, s.Pool, dispatcher.Config{PollInterval: 100 * time.Millisecond})
+	d := start(t, s.Pool, dispatcher.Config{PollInterval: 100 * time.Millisecond})
 	pgtest.WaitFor(t, 10*time.Second, "stale row handed off", func() bool { return status(t, s.Pool, ids[0]) == "done" })
-	// Let a few poll ticks pass: the live lock must be respected.
-	time.Sleep(300 * time.Millisecond)
+	// Three more rescue passes (one per poll tick) must leave the live lock alone.
+	polls := d.Stats().Polls
+	pgtest.WaitFor(t, 10*time.Second, "three more poll ticks", func() bool { return d.Stats().Polls >= polls+3 })
 	if st := status(t, s.Pool, ids[1]); st != "processing" {
 		t.Fatalf("event with a live lock is %s, want processing", st)
 	}
@@ -473,24 +474,29 @@ func TestConfigValidation(t *testing.T) {
 }
 
 // TestAdaptiveDrainStaysWithinConcurrency: a parallel drain starts with two
-// batches in flight, may add more while that helps, never exceeds
-// Concurrency, and hands every event off once.
+// batches in flight (one when Concurrency is 1), may add more while that
+// helps, never exceeds Concurrency, and hands every event off once.
 func TestAdaptiveDrainStaysWithinConcurrency(t *testing.T) {
 	t.Parallel()
-	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 20})
-	ctx := context.Background()
-	if _, err := s.Pool.Exec(ctx, `INSERT INTO outbox_event (event_type, payload) SELECT 'mail.user.welcome', '{}' FROM generate_series(1, 6000)`); err != nil {
-		t.Fatal(err)
+	for _, c := range []struct{ concurrency, min int64 }{{1, 1}, {5, 2}} {
+		t.Run(fmt.Sprint("concurrency ", c.concurrency), func(t *testing.T) {
+			t.Parallel()
+			s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 20})
+			ctx := context.Background()
+			if _, err := s.Pool.Exec(ctx, `INSERT INTO outbox_event (event_type, payload) SELECT 'mail.user.welcome', '{}' FROM generate_series(1, 3000)`); err != nil {
+				t.Fatal(err)
+			}
+			d := start(t, s.Pool, dispatcher.Config{BatchSize: 50, Concurrency: int(c.concurrency), DrainWindow: 20 * time.Millisecond, PollInterval: 100 * time.Millisecond})
+			pgtest.WaitFor(t, 60*time.Second, "the drain", func() bool {
+				return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'pending'`) == 0
+			})
+			if w := d.Stats().DrainWorkers; w < c.min || w > c.concurrency {
+				t.Fatalf("drain settled on %d batches in flight, want %d..%d", w, c.min, c.concurrency)
+			}
+			if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job`); n != 3000 {
+				t.Fatalf("%d jobs, want 3000", n)
+			}
+			assertLedger(t, s.Pool, testRoutes(t))
+		})
 	}
-	d := start(t, s.Pool, dispatcher.Config{BatchSize: 50, Concurrency: 5, DrainWindow: 20 * time.Millisecond, PollInterval: 100 * time.Millisecond})
-	pgtest.WaitFor(t, 60*time.Second, "the drain", func() bool {
-		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'pending'`) == 0
-	})
-	if w := d.Stats().DrainWorkers; w < 2 || w > 5 {
-		t.Fatalf("drain settled on %d batches in flight, want 2..5", w)
-	}
-	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job`); n != 6000 {
-		t.Fatalf("%d jobs, want 6000", n)
-	}
-	assertLedger(t, s.Pool, testRoutes(t))
 }

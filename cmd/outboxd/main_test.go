@@ -1,7 +1,6 @@
 package main_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -9,12 +8,12 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/outboxhq/outbox/internal/pgtest"
+	"github.com/outboxhq/outbox/internal/proctest"
 )
 
 var binary string
@@ -34,29 +33,11 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// syncBuffer is a bytes.Buffer safe for the process's writer goroutine.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
-func daemon(t *testing.T, env ...string) (*exec.Cmd, *syncBuffer) {
+func daemon(t *testing.T, env ...string) (*exec.Cmd, *proctest.SyncBuffer) {
 	t.Helper()
 	cmd := exec.Command(binary)
 	cmd.Env = append([]string{"PATH=" + os.Getenv("PATH")}, env...)
-	out := &syncBuffer{}
+	out := &proctest.SyncBuffer{}
 	cmd.Stdout, cmd.Stderr = out, out
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -85,7 +66,7 @@ func waitExit(t *testing.T, cmd *exec.Cmd, d time.Duration) int {
 	return -1
 }
 
-func waitLog(t *testing.T, out *syncBuffer, want string) {
+func waitLog(t *testing.T, out *proctest.SyncBuffer, want string) {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	for !strings.Contains(out.String(), want) {
