@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"sort"
-	"strings"
 
 	"github.com/riverqueue/river"
 
@@ -103,7 +102,7 @@ func (hs *Handlers) HandleFunc(prefix string, fn func(ctx context.Context, ev Ev
 // that prefix.
 func (hs *Handlers) Lookup(eventType string) (Handler, string, bool) {
 	for _, e := range hs.entries {
-		if prefixMatches(e.prefix, eventType) {
+		if route.PrefixMatches(e.prefix, eventType) {
 			return e.handler, e.prefix, true
 		}
 	}
@@ -117,17 +116,6 @@ func (hs *Handlers) Prefixes() []string {
 		out[i] = e.prefix
 	}
 	return out
-}
-
-func prefixMatches(prefix, eventType string) bool {
-	switch {
-	case prefix == "":
-		return true
-	case strings.HasSuffix(prefix, "."):
-		return strings.HasPrefix(eventType, prefix)
-	default:
-		return prefix == eventType
-	}
 }
 
 // NoHandlerError is the error a Worker returns for a job whose event type

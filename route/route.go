@@ -14,6 +14,8 @@ import (
 	"regexp"
 	"sort"
 	"strings"
+
+	"github.com/outboxhq/outbox"
 )
 
 // Rule routes the event types starting with Prefix to Queues.
@@ -40,7 +42,6 @@ const MaxQueueNameLength = 64
 var (
 	queueNamePattern  = regexp.MustCompile(`^[a-z0-9]+([_-][a-z0-9]+)*$`)
 	prefixPattern     = regexp.MustCompile(`^([a-z0-9]+(-[a-z0-9]+)*\.)+$`)
-	exactTypePattern  = regexp.MustCompile(`^[a-z0-9]+(-[a-z0-9]+)*(\.[a-z0-9]+(-[a-z0-9]+)*){2,}$`)
 	queueReplaceChars = regexp.MustCompile(`[^a-z0-9]+`)
 )
 
@@ -81,7 +82,7 @@ func ValidatePrefix(prefix string) error {
 	switch {
 	case prefix == "":
 		return errors.New(`prefix is empty: give whole segments ending in a dot, e.g. "mail."`)
-	case prefixPattern.MatchString(prefix), exactTypePattern.MatchString(prefix):
+	case prefixPattern.MatchString(prefix), outbox.ValidateType(prefix) == nil:
 		return nil
 	case prefixPattern.MatchString(prefix + "."):
 		return fmt.Errorf("prefix %q must end with a dot so that it matches whole segments: use %q", prefix, prefix+".")
@@ -158,18 +159,26 @@ func ruleName(i int, r Rule) string {
 // Match returns the rule of the longest prefix matching eventType.
 func (t *Table) Match(eventType string) (Rule, bool) {
 	for _, r := range t.rules {
-		if matches(r.Prefix, eventType) {
+		if PrefixMatches(r.Prefix, eventType) {
 			return r, true
 		}
 	}
 	return Rule{}, false
 }
 
-func matches(prefix, eventType string) bool {
-	if strings.HasSuffix(prefix, ".") {
+// PrefixMatches reports whether a rule prefix matches eventType: a prefix
+// ending in a dot matches the types that start with it, a complete type
+// matches itself, and the empty prefix (a catch-all, which routes refuse
+// but receivers' handler registries allow) matches everything.
+func PrefixMatches(prefix, eventType string) bool {
+	switch {
+	case prefix == "":
+		return true
+	case strings.HasSuffix(prefix, "."):
 		return strings.HasPrefix(eventType, prefix)
+	default:
+		return prefix == eventType
 	}
-	return prefix == eventType
 }
 
 // Queues returns the queues eventType is routed to, or nil when no rule
