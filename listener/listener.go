@@ -64,10 +64,9 @@ type Listener struct {
 	token string
 	wake  chan struct{}
 
-	connected  atomic.Bool
-	stopping   atomic.Bool
-	lastPong   atomic.Int64 // unix nanos
-	reconnects atomic.Int64
+	connected atomic.Bool
+	stopping  atomic.Bool
+	lastPong  atomic.Int64 // unix nanos
 
 	mu      sync.Mutex
 	cancel  context.CancelFunc
@@ -106,9 +105,6 @@ func (l *Listener) Wake() <-chan struct{} { return l.wake }
 // Connected reports whether the LISTEN connection is up.
 func (l *Listener) Connected() bool { return l.connected.Load() }
 
-// Connects returns how many times the listener has connected.
-func (l *Listener) Connects() int64 { return l.reconnects.Load() }
-
 func (l *Listener) signal() {
 	select {
 	case l.wake <- struct{}{}:
@@ -121,7 +117,6 @@ func (l *Listener) setConnected(v bool) {
 		return
 	}
 	if v {
-		l.reconnects.Add(1)
 		l.cfg.Logger.Info("outbox listener connected", slog.String("channel", Channel))
 	} else if !l.stopping.Load() {
 		l.cfg.Logger.Warn("outbox listener disconnected; falling back to polling until it reconnects")
