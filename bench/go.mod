@@ -6,7 +6,7 @@ replace github.com/outboxhq/outbox => ../
 
 require (
 	github.com/HdrHistogram/hdrhistogram-go v1.4.0
-	github.com/jackc/pgx/v5 v5.13.0
+	github.com/jackc/pgx/v5 v5.12.0
 	github.com/outboxhq/outbox v0.0.0-00010101000000-000000000000
 	github.com/riverqueue/river v0.51.2
 	github.com/riverqueue/river/riverdriver/riverpgxv5 v0.51.2
