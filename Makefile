@@ -34,12 +34,19 @@ lint: ## gofmt, go vet and golangci-lint (.golangci.yml)
 	@if [ -x "$(GOLANGCI)" ]; then $(GOLANGCI) run ./... && cd bench && $(GOLANGCI) run --config ../.golangci.yml ./...; else echo "golangci-lint not installed: go install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v2.15.0"; fi
 
 .PHONY: bench
-bench: ## the full benchmark suite (about five minutes): table on stdout, JSON and plots in bench/results/
-	$(WITH_PG) $(GO) -C bench run . $(BENCHFLAGS)
+# The bench measures on a throwaway cluster with production-like settings
+# (scripts/with-postgres.sh, OUTBOX_PG_PROFILE=production) unless
+# BENCH_PG=existing, which uses the server the tests use and prints its
+# settings (loudly when autovacuum is off).
+BENCH_PG ?= throwaway
+BENCH_ENV = $(if $(filter existing,$(BENCH_PG)),,OUTBOX_PG_THROWAWAY=1 OUTBOX_PG_PROFILE=production)
+
+bench: ## the full benchmark suite (about five minutes) on a production-like throwaway Postgres: table on stdout, JSON and plots in bench/results/
+	env $(BENCH_ENV) $(WITH_PG) $(GO) -C bench run . $(BENCHFLAGS)
 
 .PHONY: bench-quick
 bench-quick: ## the benchmark suite in quick mode (under a minute, CI: keeps it working, asserts no figures)
-	$(WITH_PG) $(GO) -C bench run . -quick $(BENCHFLAGS)
+	env $(BENCH_ENV) $(WITH_PG) $(GO) -C bench run . -quick $(BENCHFLAGS)
 
 CHAOS_EVENTS  ?= 60000
 SOAK_DURATION ?= 2m

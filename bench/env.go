@@ -242,25 +242,27 @@ func redact(raw string) string {
 
 // Meta describes the run and the machine.
 type Meta struct {
-	Started     string            `json:"started"`
-	Elapsed     string            `json:"elapsed"`
-	Command     string            `json:"command"`
-	Quick       bool              `json:"quick"`
-	GoVersion   string            `json:"go_version"`
-	CPU         string            `json:"cpu"`
-	Cores       int               `json:"cores"`
-	MemTotal    string            `json:"mem_total"`
-	Kernel      string            `json:"kernel"`
-	Postgres    string            `json:"postgres"`
-	PGSettings  map[string]string `json:"pg_settings"`
-	LoadAvg     string            `json:"loadavg_start"`
-	LoadAvgEnd  string            `json:"loadavg_end"`
-	Rate        int               `json:"rate"`
-	Duration    string            `json:"duration"`
-	N           int               `json:"n"`
-	Commit      string            `json:"commit"`
-	OtherConns  int               `json:"other_connections_at_start"`
-	Description string            `json:"description"`
+	Started    string            `json:"started"`
+	Elapsed    string            `json:"elapsed"`
+	Command    string            `json:"command"`
+	Quick      bool              `json:"quick"`
+	GoVersion  string            `json:"go_version"`
+	CPU        string            `json:"cpu"`
+	Cores      int               `json:"cores"`
+	MemTotal   string            `json:"mem_total"`
+	Kernel     string            `json:"kernel"`
+	Postgres   string            `json:"postgres"`
+	PGSettings map[string]string `json:"pg_settings"`
+	// Warning is set when the server's settings are not production-like.
+	Warning     string `json:"warning,omitempty"`
+	LoadAvg     string `json:"loadavg_start"`
+	LoadAvgEnd  string `json:"loadavg_end"`
+	Rate        int    `json:"rate"`
+	Duration    string `json:"duration"`
+	N           int    `json:"n"`
+	Commit      string `json:"commit"`
+	OtherConns  int    `json:"other_connections_at_start"`
+	Description string `json:"description"`
 }
 
 func (e *env) meta(ctx context.Context, o *Options, start time.Time) Meta {
@@ -283,7 +285,8 @@ func (e *env) meta(ctx context.Context, o *Options, start time.Time) Meta {
 	_ = e.admin.QueryRow(ctx, `SELECT version()`).Scan(&m.Postgres)
 	m.PGSettings = map[string]string{}
 	rows, err := e.admin.Query(ctx, `SELECT name, setting || coalesce(unit, '') FROM pg_settings
-		WHERE name IN ('fsync','synchronous_commit','shared_buffers','max_connections','wal_level','full_page_writes')`)
+		WHERE name IN ('fsync','synchronous_commit','shared_buffers','max_connections','wal_level','full_page_writes',
+		               'autovacuum','max_wal_size','checkpoint_completion_target','effective_cache_size','work_mem')`)
 	if err == nil {
 		for rows.Next() {
 			var k, v string
@@ -292,6 +295,11 @@ func (e *env) meta(ctx context.Context, o *Options, start time.Time) Meta {
 			}
 		}
 		rows.Close()
+	}
+	if m.PGSettings["autovacuum"] != "on" || m.PGSettings["fsync"] != "on" {
+		m.Warning = fmt.Sprintf("NOT PRODUCTION-LIKE: autovacuum=%s fsync=%s synchronous_commit=%s shared_buffers=%s: figures about dead rows, plans, bloat, commit latency and long runs do not transfer to a production server (run `make bench` without BENCH_PG=existing for a production-like throwaway cluster)",
+			m.PGSettings["autovacuum"], m.PGSettings["fsync"], m.PGSettings["synchronous_commit"], m.PGSettings["shared_buffers"])
+		logf("WARNING: %s", m.Warning)
 	}
 	_ = e.admin.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' AND datname <> current_database()`).Scan(&m.OtherConns)
 	if out, err := exec.Command("git", "-C", o.Repo, "rev-parse", "--short", "HEAD").Output(); err == nil {

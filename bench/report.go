@@ -115,8 +115,12 @@ func markdown(r *Results) string {
 	fmt.Fprintf(&b, "# Outbox benchmark, %s\n\n", m.Started)
 	fmt.Fprintf(&b, "- command: `%s` (quick: %v), commit %s, took %s\n", m.Command, m.Quick, m.Commit, m.Elapsed)
 	fmt.Fprintf(&b, "- machine: %s, %d cores, %s, Linux %s, %s\n", m.CPU, m.Cores, m.MemTotal, m.Kernel, m.GoVersion)
-	fmt.Fprintf(&b, "- Postgres: %s; fsync=%s synchronous_commit=%s shared_buffers=%s\n", firstWords(m.Postgres, 2),
-		m.PGSettings["fsync"], m.PGSettings["synchronous_commit"], m.PGSettings["shared_buffers"])
+	fmt.Fprintf(&b, "- Postgres: %s; fsync=%s synchronous_commit=%s full_page_writes=%s autovacuum=%s shared_buffers=%s max_wal_size=%s\n", firstWords(m.Postgres, 2),
+		m.PGSettings["fsync"], m.PGSettings["synchronous_commit"], m.PGSettings["full_page_writes"], m.PGSettings["autovacuum"],
+		m.PGSettings["shared_buffers"], m.PGSettings["max_wal_size"])
+	if m.Warning != "" {
+		fmt.Fprintf(&b, "- **WARNING: %s**\n", m.Warning)
+	}
 	fmt.Fprintf(&b, "- load average: %s at start, %s at end; %d other client connections on the server at start\n\n", m.LoadAvg, m.LoadAvgEnd, m.OtherConns)
 
 	if len(r.Latency) > 0 {

@@ -10,6 +10,13 @@
 #      postgres user on a free port in a temporary directory, and removed when
 #      COMMAND exits.
 # OUTBOX_PG_THROWAWAY=1 skips 1 and 2 and always starts a throwaway cluster.
+# OUTBOX_PG_PROFILE selects the throwaway cluster's settings:
+#   test (default)  fsync, synchronous_commit and full_page_writes off: fast
+#                   and fine for correctness tests, wrong for any figure;
+#   production      what a production server runs (durable commits,
+#                   autovacuum on, 2 GB shared_buffers, checkpoint spread):
+#                   the settings every benchmark figure is taken with
+#                   (make bench uses it; docs/benchmarks.md lists them).
 set -euo pipefail
 
 log() { echo "with-postgres: $*" >&2; }
@@ -57,8 +64,20 @@ start_throwaway() {
 	fi
 	log "starting a throwaway Postgres in $dir on port $port"
 	"${run[@]}" "$initdb" -D "$dir/data" -U postgres -A trust --no-sync >"$dir/initdb.log" 2>&1 || { cat "$dir/initdb.log" >&2; exit 1; }
+	local settings="-c max_connections=300 -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+	case "${OUTBOX_PG_PROFILE:-test}" in
+	test) ;;
+	production)
+		settings="-c max_connections=300 -c fsync=on -c synchronous_commit=on -c full_page_writes=on"
+		settings+=" -c autovacuum=on -c shared_buffers=2GB -c effective_cache_size=12GB -c work_mem=16MB"
+		settings+=" -c maintenance_work_mem=512MB -c wal_buffers=64MB -c max_wal_size=8GB -c min_wal_size=1GB"
+		settings+=" -c checkpoint_completion_target=0.9 -c random_page_cost=1.1 -c wal_compression=on"
+		;;
+	*) log "OUTBOX_PG_PROFILE=${OUTBOX_PG_PROFILE}: want test or production"; exit 2 ;;
+	esac
+	log "settings profile ${OUTBOX_PG_PROFILE:-test}: $settings"
 	"${run[@]}" "$pgctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
-		-o "-c listen_addresses=127.0.0.1 -p $port -k $dir -c max_connections=300 -c fsync=off -c synchronous_commit=off -c full_page_writes=off" start >&2 \
+		-o "-c listen_addresses=127.0.0.1 -p $port -k $dir $settings" start >&2 \
 		|| { cat "$dir/server.log" >&2; exit 1; }
 	url="postgres://postgres@127.0.0.1:$port/postgres?sslmode=disable"
 	cleanup() {
