@@ -181,16 +181,6 @@ func PrefixMatches(prefix, eventType string) bool {
 	}
 }
 
-// Queues returns the queues eventType is routed to, or nil when no rule
-// matches. The slice must not be modified.
-func (t *Table) Queues(eventType string) []string {
-	r, ok := t.Match(eventType)
-	if !ok {
-		return nil
-	}
-	return r.Queues
-}
-
 // Rules returns the rules, longest prefix first.
 func (t *Table) Rules() []Rule { return append([]Rule(nil), t.rules...) }
 

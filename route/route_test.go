@@ -30,8 +30,9 @@ func TestLongestPrefixWins(t *testing.T) {
 		"billing.invoice.paid":           "",
 	}
 	for typ, want := range cases {
-		if got := strings.Join(tbl.Queues(typ), ","); got != want {
-			t.Errorf("Queues(%q) = %q, want %q", typ, got, want)
+		rule, ok := tbl.Match(typ)
+		if got := strings.Join(rule.Queues, ","); got != want || ok != (want != "") {
+			t.Errorf("Match(%q) = %q, %v, want %q", typ, got, ok, want)
 		}
 	}
 	if got := strings.Join(tbl.AllQueues(), ","); got != "outbox_audit,outbox_exact,outbox_mail,outbox_plugin,outbox_plugin-hook" {
@@ -97,7 +98,8 @@ func TestLoadReferenceRoutes(t *testing.T) {
 		"rag.index.chunked":             "outbox_rag-index",
 	}
 	for typ, q := range want {
-		if got := strings.Join(tbl.Queues(typ), ","); got != q {
+		rule, _ := tbl.Match(typ)
+		if got := strings.Join(rule.Queues, ","); got != q {
 			t.Errorf("%s → %q, want %q", typ, got, q)
 		}
 	}
@@ -118,8 +120,8 @@ routes:
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := strings.Join(tbl.Queues("plugin.hook.x.y"), ","); got != "outbox_plugin-hook,outbox_audit" {
-		t.Fatalf("fan-out = %s", got)
+	if rule, _ := tbl.Match("plugin.hook.x.y"); strings.Join(rule.Queues, ",") != "outbox_plugin-hook,outbox_audit" {
+		t.Fatalf("fan-out = %v", rule.Queues)
 	}
 }
 

@@ -8,7 +8,6 @@
 package filter
 
 import (
-	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -221,9 +220,3 @@ func nullText(s string) *string {
 	}
 	return &s
 }
-
-// ErrRefused is matched by errors.Is for any *Error.
-var ErrRefused = errors.New("selection refused")
-
-// Is makes errors.Is(err, ErrRefused) true for an *Error.
-func (e *Error) Is(target error) bool { return target == ErrRefused }

@@ -43,8 +43,8 @@ func TestCheckRefusals(t *testing.T) {
 			t.Errorf("%s: accepted, want error containing %q", c.name, c.want)
 		case c.want != "" && !strings.Contains(err.Error(), c.want):
 			t.Errorf("%s: error %q does not contain %q", c.name, err, c.want)
-		case err != nil && !errors.Is(err, ErrRefused):
-			t.Errorf("%s: error %v is not ErrRefused", c.name, err)
+		case err != nil && !errors.As(err, new(*Error)):
+			t.Errorf("%s: error %v is not a *filter.Error", c.name, err)
 		}
 		if err == nil && f.Limit != DefaultLimit {
 			t.Errorf("%s: limit %d, want default %d", c.name, f.Limit, DefaultLimit)
