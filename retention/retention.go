@@ -29,8 +29,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-
-	outboxriver "github.com/outboxhq/outbox/river"
 )
 
 // JobName is the job's name in outbox_job_run, in logs and in the audit.
@@ -113,20 +111,21 @@ type Result struct {
 	ReceiptsDeleted int64 `json:"receipts_deleted"`
 }
 
-// deleteBatchSQL deletes one batch. The CTE picks the oldest done rows past
-// the cutoff through the partial index outbox_event_done_idx and locks them
-// with SKIP LOCKED (a row an operator is requeueing right now is left for
-// the next run); LIMIT in the CTE bounds the batch exactly. The status is
-// part of the predicate, so failed and cancelled rows can never match.
-const deleteBatchSQL = `
-WITH c AS (
-    SELECT id FROM outbox_event
-    WHERE status = 'done' AND processed_at < $1
-    ORDER BY processed_at
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED
-)
-DELETE FROM outbox_event e USING c WHERE e.id = c.id`
+// deleteBatchSQL deletes one batch through outbox_purge_done (migration
+// 007), a SECURITY DEFINER function, so that neither outbox_dispatcher nor
+// outbox_operator needs DELETE on outbox_event (a grant that could not be
+// limited to done rows). Its CTE picks the oldest done rows past the cutoff
+// through the partial index outbox_event_done_idx and locks them with SKIP
+// LOCKED (a row an operator is requeueing right now is left for the next
+// run); LIMIT in the CTE bounds the batch exactly. The status is part of the
+// predicate, so failed and cancelled rows can never match.
+const deleteBatchSQL = `SELECT outbox_purge_done($1, $2)`
+
+// purgeReceiptsSQL deletes one batch of expired receipts through
+// outbox_purge_receipts (migration 007; the statement is
+// outboxriver.PurgeReceiptsSQL), so the operator needs no DELETE on
+// outbox_receipt.
+const purgeReceiptsSQL = `SELECT outbox_purge_receipts($1)`
 
 // countSQL counts what a run would delete (the dry run), with the same
 // predicate as deleteBatchSQL.
@@ -269,14 +268,15 @@ func runLocked(ctx context.Context, pool *pgxpool.Pool, cfg *Config, dryRun bool
 }
 
 // purgeReceipts deletes receiver receipts past their TTL, batch by batch
-// (outboxriver.PurgeReceipts).
+// (what outboxriver.PurgeReceipts does, through purgeReceiptsSQL).
 func purgeReceipts(ctx context.Context, pool *pgxpool.Pool, cfg *Config, res *Result) error {
 	for {
 		if err := ctx.Err(); err != nil {
 			return fmt.Errorf("retention: stopped purging receipts after %d rows: %w", res.ReceiptsDeleted, err)
 		}
 		bctx, cancel := context.WithTimeout(ctx, cfg.BatchTimeout)
-		n, err := outboxriver.PurgeReceipts(bctx, pool, cfg.BatchSize)
+		var n int64
+		err := pool.QueryRow(bctx, purgeReceiptsSQL, cfg.BatchSize).Scan(&n)
 		cancel()
 		if err != nil {
 			return fmt.Errorf("retention: purge receipts: %w", err)
@@ -324,11 +324,9 @@ func deleteBatch(ctx context.Context, pool *pgxpool.Pool, cfg *Config, cutoff ti
 	defer cancel()
 	var n int64
 	err := pgx.BeginFunc(bctx, pool, func(tx pgx.Tx) error {
-		tag, err := tx.Exec(bctx, deleteBatchSQL, cutoff, cfg.BatchSize)
-		if err != nil {
+		if err := tx.QueryRow(bctx, deleteBatchSQL, cutoff, cfg.BatchSize).Scan(&n); err != nil {
 			return err
 		}
-		n = tag.RowsAffected()
 		if cfg.beforeCommit != nil {
 			cfg.beforeCommit()
 		}
