@@ -42,7 +42,8 @@ const (
 )
 
 // lockClass is the first key of the job's advisory lock; the second is
-// derived from the schema, so several outbox schemas run their own.
+// derived from the schema that holds outbox_event, so several outbox
+// schemas run their own.
 const lockClass = 1868720217
 
 // ErrLocked means another process is running the job right now.
@@ -135,15 +136,23 @@ const countSQL = `SELECT count(*) FROM outbox_event WHERE status = 'done' AND pr
 // time in the outbox.
 const cutoffSQL = `SELECT now() - make_interval(secs => $1)`
 
-const lockSQL = `SELECT pg_try_advisory_lock($1, hashtext('outbox_retention:' || current_schema()))`
-const unlockSQL = `SELECT pg_advisory_unlock($1, hashtext('outbox_retention:' || current_schema()))`
+// tableSchemaSQL names the schema that holds the outbox_event this
+// connection resolves: the lock key follows the table, not
+// current_schema(), which is the first existing schema of the search_path
+// (a "$user" schema that holds no outbox tables would give every run its
+// own key, and two runs on one table would both delete).
+const tableSchemaSQL = `(SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = 'outbox_event'::regclass)`
+
+const lockSQL = `SELECT pg_try_advisory_lock($1, hashtext('outbox_retention:' || ` + tableSchemaSQL + `))`
+const unlockSQL = `SELECT pg_advisory_unlock($1, hashtext('outbox_retention:' || ` + tableSchemaSQL + `))`
 
 // holderSQL names the backend that holds the lock, for the error message.
 const holderSQL = `
 SELECT coalesce(a.application_name, '') || ' pid ' || l.pid || coalesce(' from ' || host(a.client_addr), '')
 FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
 WHERE l.locktype = 'advisory' AND l.granted AND l.classid = $1::int::oid
-  AND l.objid = hashtext('outbox_retention:' || current_schema())::oid AND l.objsubid = 2
+  AND l.objid = hashtext('outbox_retention:' || ` + tableSchemaSQL + `)::oid AND l.objsubid = 2
 LIMIT 1`
 
 const markStartedSQL = `
