@@ -264,10 +264,13 @@ func runSelect(ctx context.Context, c *cli, a selectAction, args []string) error
 	}
 	if res.From["done"] > 0 {
 		would := "are"
+		if res.From["done"] == 1 {
+			would = "is"
+		}
 		if res.DryRun {
 			would = "would be"
 		}
-		res.Warning = fmt.Sprintf("%d done events %s replayed: River gets a new job for each, so every receiver sees them again; receivers must be idempotent (dedupe on event_id)", res.From["done"], would)
+		res.Warning = fmt.Sprintf("%s %s replayed: River gets a new job for each, so every receiver sees them again; receivers must be idempotent (dedupe on event_id)", nounCount(res.From["done"], "done event"), would)
 		fmt.Fprintf(c.stderr, "outboxctl %s: warning: %s\n", a.name, res.Warning)
 	}
 	if c.jsonOut {
@@ -322,7 +325,7 @@ func printSelect(w io.Writer, a selectAction, r *selectResult) {
 	if r.DryRun {
 		verb = "would be " + a.verb
 	}
-	fmt.Fprintf(w, "%d events %s", r.Affected, verb)
+	fmt.Fprintf(w, "%s %s", nounCount(r.Affected, "event"), verb)
 	if len(r.From) > 0 {
 		fmt.Fprintf(w, " (from %s)", formatCounts(r.From))
 	}
@@ -350,6 +353,18 @@ func printSelect(w io.Writer, a selectAction, r *selectResult) {
 	} else {
 		fmt.Fprintf(w, "recorded as audit #%d by %s\n", r.AuditID, r.Actor)
 	}
+}
+
+// nounCount is "1 event", "2 events", "0 batches": n and the noun, plural
+// unless n is 1.
+func nounCount[N int | int64](n N, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	if strings.HasSuffix(noun, "ch") || strings.HasSuffix(noun, "s") {
+		return fmt.Sprintf("%d %ses", n, noun)
+	}
+	return fmt.Sprintf("%d %ss", n, noun)
 }
 
 func formatCounts(m map[string]int) string {
@@ -734,11 +749,11 @@ func runRetention(ctx context.Context, c *cli, args []string) error {
 			"cutoff": res.Cutoff, "dry_run": res.DryRun, "audit_id": auditID})
 	}
 	if *dryRun {
-		fmt.Fprintf(c.stdout, "dry run: %d done events processed before %s would be deleted; nothing changed\n", res.Deleted, res.Cutoff.Format(time.RFC3339))
+		fmt.Fprintf(c.stdout, "dry run: %s processed before %s would be deleted; nothing changed\n", nounCount(res.Deleted, "done event"), res.Cutoff.Format(time.RFC3339))
 		return nil
 	}
-	fmt.Fprintf(c.stdout, "deleted %d done events processed before %s in %d batches; recorded as audit #%d\n",
-		res.Deleted, res.Cutoff.Format(time.RFC3339), res.Batches, auditID)
+	fmt.Fprintf(c.stdout, "deleted %s processed before %s in %s; recorded as audit #%d\n",
+		nounCount(res.Deleted, "done event"), res.Cutoff.Format(time.RFC3339), nounCount(res.Batches, "batch"), auditID)
 	return nil
 }
 

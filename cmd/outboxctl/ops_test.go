@@ -760,3 +760,30 @@ func TestDatabaseURLFlag(t *testing.T) {
 		t.Fatalf("exit %d: %s", code, stderr.String())
 	}
 }
+
+// TestOutputCountsAreSingularForOne: "1 event", never "1 events" (item 12),
+// in requeue, cancel and retention output.
+func TestOutputCountsAreSingularForOne(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	failed := insert(t, s.Pool, evSpec{typ: "mail.user.welcome", status: "failed", lastError: "x", age: time.Hour})
+	done := insert(t, s.Pool, evSpec{typ: "mail.user.welcome", status: "done", age: time.Hour})
+	if _, err := s.Pool.Exec(context.Background(), `UPDATE outbox_event SET processed_at = now() - interval '40 days' WHERE id = $1`, done); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"cancel", "--id", fmt.Sprint(failed), "--dry-run"}, "1 event would be cancelled (from 1 failed)\n"},
+		{[]string{"requeue", "--id", fmt.Sprint(failed)}, "1 event requeued (from 1 failed)\n"},
+		{[]string{"requeue", "--id", fmt.Sprint(done), "--allow-replay", "--dry-run"}, "1 event would be requeued (from 1 done)\n"},
+		{[]string{"retention", "run", "--dry-run"}, "dry run: 1 done event processed before"},
+		{[]string{"retention", "run"}, " in 1 batch; recorded as audit #"},
+	} {
+		code, out, errOut := octl(t, s, tc.args...)
+		if code != 0 || !strings.Contains(out, tc.want) || strings.Contains(out+errOut, "1 events") || strings.Contains(out, "1 batches") {
+			t.Errorf("%v: exit %d, stdout %q, stderr %q; want %q and no \"1 events\"", tc.args, code, out, errOut, tc.want)
+		}
+	}
+}
