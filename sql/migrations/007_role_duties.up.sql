@@ -9,10 +9,10 @@
 --   -----------------  ----------------------------------------  ---------------------------------------------
 --   outbox_producer    INSERT (event_type, payload, tenant_id,   choose the id (INSERT (id, ...) OVERRIDING
 --                      dispatch_key) into outbox_event; read     SYSTEM VALUE); read dispatch_key, payload,
---                      back the id of its own insert (RETURNING  tenant_id, status or any other column; UPDATE,
---                      id); EXECUTE outbox_publish (and the      DELETE, TRUNCATE; touch River, the audit,
---                      publish functions of 005/006 where        receipts; call nextval on the id sequence
---                      present)
+--                      the id column (RETURNING id; ids reveal   tenant_id, status or any other column; UPDATE,
+--                      nothing else); EXECUTE outbox_publish     DELETE, TRUNCATE; touch River, the audit,
+--                      (and the publish functions of 005/006     receipts; call nextval on the id sequence
+--                      where present)
 --   outbox_dispatcher  outboxd: claim, mark done/failed (SELECT,  DELETE events directly (retention goes through
 --                      UPDATE outbox_event); insert River jobs;  outbox_purge_done); INSERT events; write or
 --                      River workers (SELECT, INSERT, UPDATE,    read outbox_audit; requeue or cancel; ALTER
