@@ -29,8 +29,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-
-	outboxriver "github.com/outboxhq/outbox/river"
 )
 
 // JobName is the job's name in outbox_job_run, in logs and in the audit.
@@ -44,7 +42,8 @@ const (
 )
 
 // lockClass is the first key of the job's advisory lock; the second is
-// derived from the schema, so several outbox schemas run their own.
+// derived from the schema that holds outbox_event, so several outbox
+// schemas run their own.
 const lockClass = 1868720217
 
 // ErrLocked means another process is running the job right now.
@@ -113,20 +112,21 @@ type Result struct {
 	ReceiptsDeleted int64 `json:"receipts_deleted"`
 }
 
-// deleteBatchSQL deletes one batch. The CTE picks the oldest done rows past
-// the cutoff through the partial index outbox_event_done_idx and locks them
-// with SKIP LOCKED (a row an operator is requeueing right now is left for
-// the next run); LIMIT in the CTE bounds the batch exactly. The status is
-// part of the predicate, so failed and cancelled rows can never match.
-const deleteBatchSQL = `
-WITH c AS (
-    SELECT id FROM outbox_event
-    WHERE status = 'done' AND processed_at < $1
-    ORDER BY processed_at
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED
-)
-DELETE FROM outbox_event e USING c WHERE e.id = c.id`
+// deleteBatchSQL deletes one batch through outbox_purge_done (migration
+// 007), a SECURITY DEFINER function, so that neither outbox_dispatcher nor
+// outbox_operator needs DELETE on outbox_event (a grant that could not be
+// limited to done rows). Its CTE picks the oldest done rows past the cutoff
+// through the partial index outbox_event_done_idx and locks them with SKIP
+// LOCKED (a row an operator is requeueing right now is left for the next
+// run); LIMIT in the CTE bounds the batch exactly. The status is part of the
+// predicate, so failed and cancelled rows can never match.
+const deleteBatchSQL = `SELECT outbox_purge_done($1, $2)`
+
+// purgeReceiptsSQL deletes one batch of expired receipts through
+// outbox_purge_receipts (migration 007; the statement is
+// outboxriver.PurgeReceiptsSQL), so the operator needs no DELETE on
+// outbox_receipt.
+const purgeReceiptsSQL = `SELECT outbox_purge_receipts($1)`
 
 // countSQL counts what a run would delete (the dry run), with the same
 // predicate as deleteBatchSQL.
@@ -136,15 +136,23 @@ const countSQL = `SELECT count(*) FROM outbox_event WHERE status = 'done' AND pr
 // time in the outbox.
 const cutoffSQL = `SELECT now() - make_interval(secs => $1)`
 
-const lockSQL = `SELECT pg_try_advisory_lock($1, hashtext('outbox_retention:' || current_schema()))`
-const unlockSQL = `SELECT pg_advisory_unlock($1, hashtext('outbox_retention:' || current_schema()))`
+// tableSchemaSQL names the schema that holds the outbox_event this
+// connection resolves: the lock key follows the table, not
+// current_schema(), which is the first existing schema of the search_path
+// (a "$user" schema that holds no outbox tables would give every run its
+// own key, and two runs on one table would both delete).
+const tableSchemaSQL = `(SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = 'outbox_event'::regclass)`
+
+const lockSQL = `SELECT pg_try_advisory_lock($1, hashtext('outbox_retention:' || ` + tableSchemaSQL + `))`
+const unlockSQL = `SELECT pg_advisory_unlock($1, hashtext('outbox_retention:' || ` + tableSchemaSQL + `))`
 
 // holderSQL names the backend that holds the lock, for the error message.
 const holderSQL = `
 SELECT coalesce(a.application_name, '') || ' pid ' || l.pid || coalesce(' from ' || host(a.client_addr), '')
 FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
 WHERE l.locktype = 'advisory' AND l.granted AND l.classid = $1::int::oid
-  AND l.objid = hashtext('outbox_retention:' || current_schema())::oid AND l.objsubid = 2
+  AND l.objid = hashtext('outbox_retention:' || ` + tableSchemaSQL + `)::oid AND l.objsubid = 2
 LIMIT 1`
 
 const markStartedSQL = `
@@ -269,14 +277,15 @@ func runLocked(ctx context.Context, pool *pgxpool.Pool, cfg *Config, dryRun bool
 }
 
 // purgeReceipts deletes receiver receipts past their TTL, batch by batch
-// (outboxriver.PurgeReceipts).
+// (what outboxriver.PurgeReceipts does, through purgeReceiptsSQL).
 func purgeReceipts(ctx context.Context, pool *pgxpool.Pool, cfg *Config, res *Result) error {
 	for {
 		if err := ctx.Err(); err != nil {
 			return fmt.Errorf("retention: stopped purging receipts after %d rows: %w", res.ReceiptsDeleted, err)
 		}
 		bctx, cancel := context.WithTimeout(ctx, cfg.BatchTimeout)
-		n, err := outboxriver.PurgeReceipts(bctx, pool, cfg.BatchSize)
+		var n int64
+		err := pool.QueryRow(bctx, purgeReceiptsSQL, cfg.BatchSize).Scan(&n)
 		cancel()
 		if err != nil {
 			return fmt.Errorf("retention: purge receipts: %w", err)
@@ -324,11 +333,9 @@ func deleteBatch(ctx context.Context, pool *pgxpool.Pool, cfg *Config, cutoff ti
 	defer cancel()
 	var n int64
 	err := pgx.BeginFunc(bctx, pool, func(tx pgx.Tx) error {
-		tag, err := tx.Exec(bctx, deleteBatchSQL, cutoff, cfg.BatchSize)
-		if err != nil {
+		if err := tx.QueryRow(bctx, deleteBatchSQL, cutoff, cfg.BatchSize).Scan(&n); err != nil {
 			return err
 		}
-		n = tag.RowsAffected()
 		if cfg.beforeCommit != nil {
 			cfg.beforeCommit()
 		}

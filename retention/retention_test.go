@@ -369,3 +369,64 @@ func TestRunPurgesExpiredReceipts(t *testing.T) {
 		t.Fatalf("%d live of %d receipts left, want 5 of 5", left, total)
 	}
 }
+
+// TestLockKeyFollowsTheTableSchema: with a "$user" schema first in the
+// search_path, current_schema() is that schema, not the one holding
+// outbox_event. Two runs on one table must still exclude each other: the
+// lock key is the table's schema.
+func TestLockKeyFollowsTheTableSchema(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, time.Minute)
+	seed(t, s.Pool, "done", 5, 40*24*time.Hour)
+
+	// A login role with a schema of its own name, as "$user" finds it.
+	role := "t_ret_" + strings.TrimPrefix(s.Name, "t_")
+	admin := pgtest.Admin(t)
+	if _, err := admin.Exec(ctx, `CREATE ROLE `+role+` LOGIN IN ROLE outbox_dispatcher`); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		_, _ = admin.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1`, role)
+		if _, err := admin.Exec(ctx, `DROP SCHEMA IF EXISTS `+role+` CASCADE; DROP ROLE `+role); err != nil {
+			t.Errorf("drop role %s: %v", role, err)
+		}
+	})
+	if _, err := admin.Exec(ctx, `CREATE SCHEMA `+role+` AUTHORIZATION `+role); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := pgxpool.ParseConfig(s.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.User = role
+	cfg.ConnConfig.Password = ""
+	cfg.ConnConfig.RuntimeParams["search_path"] = `"$user", ` + s.Name
+	cfg.MaxConns = 4
+	userPool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(userPool.Close)
+	var cur string
+	if err := userPool.QueryRow(ctx, `SELECT current_schema()`).Scan(&cur); err != nil || cur != role {
+		t.Fatalf("current_schema() = %q (%v), want the $user schema %q", cur, err, role)
+	}
+
+	// The owner's connection (search_path = the table's schema) holds the
+	// lock: a run through the "$user" connection is refused.
+	lock, err := retention.TryLock(ctx, s.Pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := retention.Run(ctx, userPool, retention.Config{MaxAge: 720 * time.Hour}, false); !errors.Is(err, retention.ErrLocked) {
+		t.Fatalf("run with a $user schema while the table's lock is held: err = %v, want ErrLocked", err)
+	}
+	lock.Unlock(ctx)
+	res, err := retention.Run(ctx, userPool, retention.Config{MaxAge: 720 * time.Hour}, false)
+	if err != nil || res.Deleted != 5 {
+		t.Fatalf("run with a $user schema: %+v, %v; want 5 deleted", res, err)
+	}
+}

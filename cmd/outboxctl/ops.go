@@ -72,64 +72,42 @@ type selectAction struct {
 	name  string
 	verb  string // past tense for messages
 	rules func(allowReplay bool, byID bool) filter.Rules
-	// sql changes the selected rows. $1..$6 are filter.Predicate's, $7 the
-	// statuses to change, $8 the limit. It returns (id, previous status).
+	// sql runs the action's audited function (migration 007): it counts
+	// what the selection matches, changes up to the limit and writes the
+	// audit row in one transaction, or, for a dry run, changes and records
+	// nothing. $1 actor, $2 dry run, $3 statuses, $4..$9 filter.Predicate's
+	// $1..$6, $10 the limit, $11 extra audit detail, $12 (requeue only)
+	// allow replay.
 	sql string
-	// report are statuses always reported as skipped when the filter
-	// matches them (the ones the action refuses).
-	report []string
 }
 
-// requeueSQL puts failed/cancelled (or, with --allow-replay, done) events
-// back to pending: the full retry budget again (retries = 0), due now,
-// unlocked, not processed; last_error is kept so the history stays
-// visible. The status change fires the wake trigger at commit. Rows locked
-// by someone else right now are skipped (SKIP LOCKED) and reported.
+// requeueSQL calls outbox_requeue: failed, cancelled, stuck processing
+// (or, with --allow-replay, done) events go back to pending with the full
+// retry budget, due now, unlocked, not processed; last_error is kept so the
+// history stays visible. The status change fires the wake trigger at
+// commit. Rows locked by someone else right now are skipped (SKIP LOCKED)
+// and reported.
 const requeueSQL = `
-WITH c AS (
-    SELECT id, status AS old_status FROM outbox_event
-    WHERE ` + filter.Predicate + `
-      AND status = ANY($7::outbox_status[])
-    ORDER BY id
-    LIMIT $8
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE outbox_event e
-SET status = 'pending', retries = 0, scheduled_at = now(), locked_until = NULL, processed_at = NULL
-FROM c WHERE e.id = c.id
-RETURNING e.id, c.old_status::text`
+SELECT affected, event_ids, from_statuses, skipped, remaining, audit_id
+FROM outbox_requeue(actor => $1, dry_run => $2, statuses => $3, ids => $4, type_prefix => $5, tenant_id => $6,
+                    since => $7, until => $8, error_contains => $9, max_events => $10, extra => $11, allow_replay => $12)`
 
-// cancelSQL moves pending/failed events to cancelled. A pending event that
-// a dispatcher is handing off right now is row-locked: SKIP LOCKED leaves
-// it (it is being dispatched) and it is reported as locked.
+// cancelSQL calls outbox_cancel: pending, failed and stuck processing
+// events become cancelled. A pending event that a dispatcher is handing off
+// right now is row-locked: SKIP LOCKED leaves it and it is reported as
+// locked.
 const cancelSQL = `
-WITH c AS (
-    SELECT id, status AS old_status FROM outbox_event
-    WHERE ` + filter.Predicate + `
-      AND status = ANY($7::outbox_status[])
-    ORDER BY id
-    LIMIT $8
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE outbox_event e
-SET status = 'cancelled', locked_until = NULL
-FROM c WHERE e.id = c.id
-RETURNING e.id, c.old_status::text`
-
-// matchSQL counts, per status, the events the filter matches among $7.
-const matchSQL = `
-SELECT status::text, count(*) FROM outbox_event
-WHERE ` + filter.Predicate + `
-  AND status = ANY($7::outbox_status[])
-GROUP BY 1`
-
-// foundSQL counts which of the --id values exist at all.
-const foundSQL = `SELECT count(*) FROM outbox_event WHERE id = ANY($1::bigint[])`
+SELECT affected, event_ids, from_statuses, skipped, remaining, audit_id
+FROM outbox_cancel(actor => $1, dry_run => $2, statuses => $3, ids => $4, type_prefix => $5, tenant_id => $6,
+                   since => $7, until => $8, error_contains => $9, max_events => $10, extra => $11)`
 
 const auditInsertSQL = `
 INSERT INTO outbox_audit (actor, action, filter, affected, detail)
 VALUES ($1, $2, $3, $4, $5)
 RETURNING id, at`
+
+// stuckNote explains which processing events requeue and cancel take.
+const stuckNote = "only stuck ones: a NULL or past locked_until; one a dispatcher holds right now is skipped"
 
 var requeueAction = selectAction{
 	name: "requeue",
@@ -137,16 +115,15 @@ var requeueAction = selectAction{
 	rules: func(allowReplay, byID bool) filter.Rules {
 		r := filter.Rules{
 			Action:   "requeue",
-			Eligible: []string{"failed", "cancelled"},
+			Eligible: []string{"failed", "cancelled", "processing"},
 			Refused: map[string]string{
-				"pending":    "they are waiting for the dispatcher already",
-				"processing": "a dispatcher owns them right now",
-				"done":       "they were handed to River already; replaying them delivers every event again, so add --allow-replay if every receiver is idempotent (dedupes on event_id)",
+				"pending": "they are waiting for the dispatcher already",
+				"done":    "they were handed to River already; replaying them delivers every event again, so add --allow-replay if every receiver is idempotent (dedupes on event_id)",
 			},
 			Default: []string{"failed"},
 		}
 		if byID {
-			r.Default = []string{"failed", "cancelled"}
+			r.Default = []string{"failed", "cancelled", "processing"}
 		}
 		if allowReplay {
 			delete(r.Refused, "done")
@@ -157,27 +134,28 @@ var requeueAction = selectAction{
 		}
 		return r
 	},
-	sql:    requeueSQL,
-	report: []string{"pending", "processing"},
+	sql: requeueSQL,
 }
 
 var cancelAction = selectAction{
 	name: "cancel",
 	verb: "cancelled",
-	rules: func(_, _ bool) filter.Rules {
-		return filter.Rules{
+	rules: func(_, byID bool) filter.Rules {
+		r := filter.Rules{
 			Action:   "cancel",
-			Eligible: []string{"pending", "failed"},
+			Eligible: []string{"pending", "failed", "processing"},
 			Refused: map[string]string{
-				"processing": "a dispatcher is handing them off right now; retry in a moment",
-				"done":       "they were handed to River already; cancel or discard the River job instead",
-				"cancelled":  "they are cancelled already",
+				"done":      "they were handed to River already; cancel or discard the River job instead",
+				"cancelled": "they are cancelled already",
 			},
 			Default: []string{"pending", "failed"},
 		}
+		if byID {
+			r.Default = []string{"pending", "failed", "processing"}
+		}
+		return r
 	},
-	sql:    cancelSQL,
-	report: []string{"processing", "done"},
+	sql: cancelSQL,
 }
 
 // selectResult is what requeue and cancel report.
@@ -209,7 +187,7 @@ func runSelect(ctx context.Context, c *cli, a selectAction, args []string) error
 	fs := c.opsFlags(a.name)
 	var ids, statuses listFlag
 	fs.Var(&ids, "id", "event id; repeatable, or comma-separated")
-	fs.Var(&statuses, "status", "status to select, comma-separated ("+strings.Join(a.rules(true, false).Eligible, ", ")+"); default "+strings.Join(a.rules(false, false).Default, ",")+" ("+strings.Join(a.rules(false, true).Default, ",")+" with --id)")
+	fs.Var(&statuses, "status", "status to select, comma-separated ("+strings.Join(a.rules(true, false).Eligible, ", ")+"); default "+strings.Join(a.rules(false, false).Default, ",")+" ("+strings.Join(a.rules(false, true).Default, ",")+" with --id); processing: "+stuckNote)
 	typePrefix := fs.String("type-prefix", "", "event types starting with this (e.g. mail. or billing.invoice.)")
 	tenant := fs.String("tenant", "", "tenant id (exact)")
 	since := fs.String("since", "", "created at or after: RFC 3339, a date, or an age (2h, 3d)")
@@ -280,16 +258,19 @@ func runSelect(ctx context.Context, c *cli, a selectAction, args []string) error
 	if err != nil {
 		return err
 	}
-	res, err := applySelect(ctx, pool, a, f, *actor, *dryRun)
+	res, err := applySelect(ctx, pool, a, f, *actor, *dryRun, *allowReplay)
 	if err != nil {
 		return err
 	}
 	if res.From["done"] > 0 {
 		would := "are"
+		if res.From["done"] == 1 {
+			would = "is"
+		}
 		if res.DryRun {
 			would = "would be"
 		}
-		res.Warning = fmt.Sprintf("%d done events %s replayed: River gets a new job for each, so every receiver sees them again; receivers must be idempotent (dedupe on event_id)", res.From["done"], would)
+		res.Warning = fmt.Sprintf("%s %s replayed: River gets a new job for each, so every receiver sees them again; receivers must be idempotent (dedupe on event_id)", nounCount(res.From["done"], "done event"), would)
 		fmt.Fprintf(c.stderr, "outboxctl %s: warning: %s\n", a.name, res.Warning)
 	}
 	if c.jsonOut {
@@ -299,130 +280,37 @@ func runSelect(ctx context.Context, c *cli, a selectAction, args []string) error
 	return nil
 }
 
-// applySelect runs the action in one transaction: count what the filter
-// matches, change up to the limit, write the audit row. A dry run executes
-// exactly the same statements and rolls back, so it reports the count the
-// real run would have had at that moment.
-func applySelect(ctx context.Context, pool *pgxpool.Pool, a selectAction, f filter.Filter, actor string, dryRun bool) (*selectResult, error) {
+// applySelect runs the action's audited function (outbox_requeue or
+// outbox_cancel, migration 007), which counts what the filter matches,
+// changes up to the limit and writes the audit row in one transaction. A
+// dry run selects (and locks, for the moment of the call) exactly the rows
+// the real run would change, changes nothing and writes no audit row, so
+// it draws no audit id either.
+func applySelect(ctx context.Context, pool *pgxpool.Pool, a selectAction, f filter.Filter, actor string, dryRun, allowReplay bool) (*selectResult, error) {
 	res := &selectResult{Action: a.name, DryRun: dryRun, Filter: f, Actor: actor,
 		IDs: []int64{}, From: map[string]int{}, Skipped: map[string]int{}}
-	tx, err := pool.Begin(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("begin: %w", err)
-	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-
-	base := f.Args()
-	withStatuses := func(st []string, more ...any) []any {
-		return append(append(slices.Clone(base), st), more...)
-	}
-
-	// What the filter matches, by status: the statuses to change, and the
-	// ones reported as skipped.
-	report := slices.Clone(a.report)
-	if len(f.IDs) > 0 {
-		report = filter.Statuses // with ids, account for every one of them
-	}
-	var reportOnly []string
-	for _, s := range report {
-		if !slices.Contains(f.Statuses, s) {
-			reportOnly = append(reportOnly, s)
-		}
-	}
-	matched, err := countByStatus(ctx, tx, withStatuses(append(slices.Clone(f.Statuses), reportOnly...)))
-	if err != nil {
-		return nil, err
-	}
-	eligible := 0
-	for s, n := range matched {
-		if slices.Contains(f.Statuses, s) {
-			eligible += n
-		} else if n > 0 {
-			res.Skipped[s] = n
-		}
-	}
-	if len(f.IDs) > 0 {
-		var found int
-		if err := tx.QueryRow(ctx, foundSQL, f.IDs).Scan(&found); err != nil {
-			return nil, fmt.Errorf("look up ids: %w", err)
-		}
-		if missing := len(uniq(f.IDs)) - found; missing > 0 {
-			res.Skipped["not_found"] = missing
-		}
-	}
-
-	rows, err := tx.Query(ctx, a.sql, withStatuses(f.Statuses, f.Limit)...)
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", a.name, err)
-	}
-	for rows.Next() {
-		var id int64
-		var from string
-		if err := rows.Scan(&id, &from); err != nil {
-			rows.Close()
-			return nil, fmt.Errorf("%s: %w", a.name, err)
-		}
-		res.IDs = append(res.IDs, id)
-		res.From[from]++
-	}
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("%s: %w", a.name, err)
-	}
-	slices.Sort(res.IDs)
-	res.Affected = len(res.IDs)
-	if locked := min(eligible, f.Limit) - res.Affected; locked > 0 {
-		res.Skipped["locked"] = locked
-	}
-	res.Remaining = max(eligible-res.Affected, 0)
-
-	filterJSON, err := json.Marshal(f)
-	if err != nil {
-		return nil, err
-	}
-	detail := map[string]any{"skipped": res.Skipped, "from": res.From, "remaining": res.Remaining, "ids": firstN(res.IDs, 100)}
+	extra := map[string]any{}
 	if host, err := os.Hostname(); err == nil {
-		detail["host"] = host
+		extra["host"] = host
 	}
-	detailJSON, err := json.Marshal(detail)
+	extraJSON, err := json.Marshal(extra)
 	if err != nil {
 		return nil, err
 	}
-	var at time.Time
-	if err := tx.QueryRow(ctx, auditInsertSQL, actor, a.name, filterJSON, res.Affected, detailJSON).Scan(&res.AuditID, &at); err != nil {
-		return nil, fmt.Errorf("record the audit row (has `outboxctl migrate` run?): %w", err)
+	args := append([]any{actor, dryRun, f.Statuses}, f.Args()...)
+	args = append(args, f.Limit, extraJSON)
+	if a.name == "requeue" {
+		args = append(args, allowReplay)
 	}
-	if dryRun {
-		res.AuditID = 0
-		return res, tx.Rollback(ctx)
+	var auditID *int64
+	err = pool.QueryRow(ctx, a.sql, args...).Scan(&res.Affected, &res.IDs, &res.From, &res.Skipped, &res.Remaining, &auditID)
+	if err != nil {
+		return nil, fmt.Errorf("%s (has `outboxctl migrate` run?): %w", a.name, err)
 	}
-	if err := tx.Commit(ctx); err != nil {
-		return nil, fmt.Errorf("commit: %w", err)
+	if auditID != nil {
+		res.AuditID = *auditID
 	}
 	return res, nil
-}
-
-func countByStatus(ctx context.Context, tx pgx.Tx, args []any) (map[string]int, error) {
-	rows, err := tx.Query(ctx, matchSQL, args...)
-	if err != nil {
-		return nil, fmt.Errorf("count matching events: %w", err)
-	}
-	out := map[string]int{}
-	for rows.Next() {
-		var s string
-		var n int
-		if err := rows.Scan(&s, &n); err != nil {
-			rows.Close()
-			return nil, err
-		}
-		out[s] = n
-	}
-	return out, rows.Err()
-}
-
-func uniq(ids []int64) []int64 {
-	s := slices.Clone(ids)
-	slices.Sort(s)
-	return slices.Compact(s)
 }
 
 func firstN(ids []int64, n int) []int64 {
@@ -437,7 +325,7 @@ func printSelect(w io.Writer, a selectAction, r *selectResult) {
 	if r.DryRun {
 		verb = "would be " + a.verb
 	}
-	fmt.Fprintf(w, "%d events %s", r.Affected, verb)
+	fmt.Fprintf(w, "%s %s", nounCount(r.Affected, "event"), verb)
 	if len(r.From) > 0 {
 		fmt.Fprintf(w, " (from %s)", formatCounts(r.From))
 	}
@@ -465,6 +353,18 @@ func printSelect(w io.Writer, a selectAction, r *selectResult) {
 	} else {
 		fmt.Fprintf(w, "recorded as audit #%d by %s\n", r.AuditID, r.Actor)
 	}
+}
+
+// nounCount is "1 event", "2 events", "0 batches": n and the noun, plural
+// unless n is 1.
+func nounCount[N int | int64](n N, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	if strings.HasSuffix(noun, "ch") || strings.HasSuffix(noun, "s") {
+		return fmt.Sprintf("%d %ses", n, noun)
+	}
+	return fmt.Sprintf("%d %ss", n, noun)
 }
 
 func formatCounts(m map[string]int) string {
@@ -849,11 +749,11 @@ func runRetention(ctx context.Context, c *cli, args []string) error {
 			"cutoff": res.Cutoff, "dry_run": res.DryRun, "audit_id": auditID})
 	}
 	if *dryRun {
-		fmt.Fprintf(c.stdout, "dry run: %d done events processed before %s would be deleted; nothing changed\n", res.Deleted, res.Cutoff.Format(time.RFC3339))
+		fmt.Fprintf(c.stdout, "dry run: %s processed before %s would be deleted; nothing changed\n", nounCount(res.Deleted, "done event"), res.Cutoff.Format(time.RFC3339))
 		return nil
 	}
-	fmt.Fprintf(c.stdout, "deleted %d done events processed before %s in %d batches; recorded as audit #%d\n",
-		res.Deleted, res.Cutoff.Format(time.RFC3339), res.Batches, auditID)
+	fmt.Fprintf(c.stdout, "deleted %s processed before %s in %s; recorded as audit #%d\n",
+		nounCount(res.Deleted, "done event"), res.Cutoff.Format(time.RFC3339), nounCount(res.Batches, "batch"), auditID)
 	return nil
 }
 

@@ -262,7 +262,7 @@ func TestRequeueGuardrailsRefuseWithExit2(t *testing.T) {
 		{[]string{"requeue"}, "pass --all"},
 		{[]string{"requeue", "--status", "failed"}, "refusing to requeue every failed event without a filter"},
 		{[]string{"requeue", "--status", "pending", "--all"}, "--status: requeue never touches pending events"},
-		{[]string{"requeue", "--status", "processing", "--type-prefix", "mail."}, "--status: requeue never touches processing events"},
+		{[]string{"cancel", "--status", "cancelled", "--type-prefix", "mail."}, "--status: cancel never touches cancelled events"},
 		{[]string{"requeue", "--status", "done", "--type-prefix", "mail."}, "--allow-replay"},
 		{[]string{"requeue", "--status", "dead", "--all"}, `--status: "dead" is not a status`},
 		{[]string{"requeue", "--all", "--limit", "0"}, "--limit: 0 is out of range"},
@@ -407,6 +407,77 @@ func TestCancelSkipsLockedAndMatchesDryRun(t *testing.T) {
 	res = ctlJSON[selectOut](t, s, "cancel", "--id", fmt.Sprint(locked))
 	if res.Affected != 1 {
 		t.Fatalf("cancel after the lock was released = %+v", res)
+	}
+}
+
+// TestRequeueAndCancelTakeStuckProcessing: a processing row whose
+// locked_until is NULL is never claimed again, and one past its lease waits
+// for a claim; requeue and cancel take both (item 6), while a row with a
+// live lease (a dispatcher owns it) is reported as skipped.
+func TestRequeueAndCancelTakeStuckProcessing(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, time.Minute)
+	add := func(lease string) int64 {
+		var id int64
+		if err := s.Pool.QueryRow(ctx, `INSERT INTO outbox_event (event_type, payload, status, locked_until)
+			VALUES ('mail.user.welcome', '{}', 'processing', now() + $1::interval) RETURNING id`, lease).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	var nullLease int64
+	if err := s.Pool.QueryRow(ctx, `INSERT INTO outbox_event (event_type, payload, status) VALUES ('mail.user.welcome', '{}', 'processing') RETURNING id`).Scan(&nullLease); err != nil {
+		t.Fatal(err)
+	}
+	past, live := add("-1 minute"), add("10 minutes")
+
+	dry := ctlJSON[selectOut](t, s, "requeue", "--status", "processing", "--all", "--dry-run")
+	real := ctlJSON[selectOut](t, s, "requeue", "--status", "processing", "--all")
+	want := []int64{nullLease, past}
+	if !slices.Equal(dry.IDs, want) || !slices.Equal(real.IDs, want) || real.Skipped["processing"] != 1 {
+		t.Fatalf("requeue of stuck processing: dry %+v, real %+v, want ids %v and the live one skipped", dry, real, want)
+	}
+	rows := snapshot(t, s.Pool)
+	for _, id := range want {
+		if r := rows[id]; r.Status != "pending" || r.LockedUntil != "" {
+			t.Errorf("requeued stuck event %d = %+v", id, r)
+		}
+	}
+	if r := rows[live]; r.Status != "processing" {
+		t.Errorf("the live processing event changed: %+v", r)
+	}
+
+	// Cancel by id: the default statuses with --id include processing.
+	var stuck int64
+	if err := s.Pool.QueryRow(ctx, `INSERT INTO outbox_event (event_type, payload, status) VALUES ('mail.user.welcome', '{}', 'processing') RETURNING id`).Scan(&stuck); err != nil {
+		t.Fatal(err)
+	}
+	res := ctlJSON[selectOut](t, s, "cancel", "--id", fmt.Sprint(stuck), "--id", fmt.Sprint(live))
+	if !slices.Equal(res.IDs, []int64{stuck}) || res.Skipped["processing"] != 1 {
+		t.Fatalf("cancel by id = %+v, want only the stuck event, the live one skipped", res)
+	}
+	if r := snapshot(t, s.Pool)[stuck]; r.Status != "cancelled" {
+		t.Fatalf("cancelled stuck event = %+v", r)
+	}
+}
+
+// TestDryRunsDrawNoAuditIDs: dry runs write nothing to outbox_audit and use
+// up no ids, so the first real run is audit #1 (item 12).
+func TestDryRunsDrawNoAuditIDs(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	seedFixture(t, s.Pool)
+	for range 3 {
+		ctlJSON[selectOut](t, s, "requeue", "--all", "--dry-run")
+		ctlJSON[selectOut](t, s, "cancel", "--all", "--dry-run")
+	}
+	code, out, errOut := octl(t, s, "requeue", "--all", "--actor", "alice")
+	if code != 0 || !strings.Contains(out, "recorded as audit #1 by alice") {
+		t.Fatalf("real requeue after dry runs (exit %d): %q %q", code, out, errOut)
+	}
+	if n := auditCount(t, s.Pool); n != 1 {
+		t.Fatalf("%d audit rows, want 1", n)
 	}
 }
 
@@ -687,5 +758,32 @@ func TestDatabaseURLFlag(t *testing.T) {
 	code := run([]string{"stats", "--json", "--database-url", s.URL}, "postgres://nobody@127.0.0.1:1/none", &stdout, &stderr)
 	if code != 0 {
 		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+}
+
+// TestOutputCountsAreSingularForOne: "1 event", never "1 events" (item 12),
+// in requeue, cancel and retention output.
+func TestOutputCountsAreSingularForOne(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	failed := insert(t, s.Pool, evSpec{typ: "mail.user.welcome", status: "failed", lastError: "x", age: time.Hour})
+	done := insert(t, s.Pool, evSpec{typ: "mail.user.welcome", status: "done", age: time.Hour})
+	if _, err := s.Pool.Exec(context.Background(), `UPDATE outbox_event SET processed_at = now() - interval '40 days' WHERE id = $1`, done); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"cancel", "--id", fmt.Sprint(failed), "--dry-run"}, "1 event would be cancelled (from 1 failed)\n"},
+		{[]string{"requeue", "--id", fmt.Sprint(failed)}, "1 event requeued (from 1 failed)\n"},
+		{[]string{"requeue", "--id", fmt.Sprint(done), "--allow-replay", "--dry-run"}, "1 event would be requeued (from 1 done)\n"},
+		{[]string{"retention", "run", "--dry-run"}, "dry run: 1 done event processed before"},
+		{[]string{"retention", "run"}, " in 1 batch; recorded as audit #"},
+	} {
+		code, out, errOut := octl(t, s, tc.args...)
+		if code != 0 || !strings.Contains(out, tc.want) || strings.Contains(out+errOut, "1 events") || strings.Contains(out, "1 batches") {
+			t.Errorf("%v: exit %d, stdout %q, stderr %q; want %q and no \"1 events\"", tc.args, code, out, errOut, tc.want)
+		}
 	}
 }
