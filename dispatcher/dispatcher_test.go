@@ -121,7 +121,8 @@ func assertLedger(t *testing.T, pool *pgxpool.Pool, routes *route.Table) {
 	for _, r := range all {
 		switch r.status {
 		case "done":
-			want := append([]string(nil), routes.Queues(r.typ)...)
+			rule, _ := routes.Match(r.typ)
+			want := append([]string(nil), rule.Queues...)
 			sortStrings(want)
 			if strings.Join(r.queues, ",") != strings.Join(want, ",") {
 				t.Fatalf("event %d (%s): jobs in queues %v, want exactly %v", r.id, r.typ, r.queues, want)
