@@ -26,19 +26,25 @@ type explainResult struct {
 }
 
 type explainEvent struct {
-	ID          int64           `json:"id"`
-	Type        string          `json:"event_type"`
-	TenantID    *string         `json:"tenant_id"`
-	DispatchKey *string         `json:"dispatch_key"`
-	Status      string          `json:"status"`
-	Retries     int             `json:"retries"`
-	LastError   *string         `json:"last_error"`
-	CreatedAt   time.Time       `json:"created_at"`
-	ScheduledAt time.Time       `json:"scheduled_at"`
-	LockedUntil *time.Time      `json:"locked_until"`
-	ProcessedAt *time.Time      `json:"processed_at"`
-	RiverJobIDs []int64         `json:"river_job_ids"`
+	ID          int64      `json:"id"`
+	Type        string     `json:"event_type"`
+	TenantID    *string    `json:"tenant_id"`
+	DispatchKey *string    `json:"dispatch_key"`
+	Status      string     `json:"status"`
+	Retries     int        `json:"retries"`
+	LastError   *string    `json:"last_error"`
+	CreatedAt   time.Time  `json:"created_at"`
+	ScheduledAt time.Time  `json:"scheduled_at"`
+	LockedUntil *time.Time `json:"locked_until"`
+	ProcessedAt *time.Time `json:"processed_at"`
+	RiverJobIDs []int64    `json:"river_job_ids"`
+	// Payload is the stored JSON, embedded as it is; it is null (and
+	// PayloadText holds it) when the payload cannot be embedded in this
+	// document (nested deeper than encoding/json accepts).
 	Payload     json.RawMessage `json:"payload"`
+	PayloadText *string         `json:"payload_text,omitempty"`
+	// payload is the text read from the database, never decoded.
+	payload string
 }
 
 // explainRoutes is what the routes file says about the event now (the
@@ -86,7 +92,7 @@ type explainReceipt struct {
 
 const explainEventSQL = `
 SELECT id, event_type, tenant_id, dispatch_key, status::text, retries, last_error,
-       created_at, scheduled_at, locked_until, processed_at, coalesce(river_job_ids, '{}'), payload
+       created_at, scheduled_at, locked_until, processed_at, coalesce(river_job_ids, '{}'), payload::text
 FROM outbox_event WHERE id = $1`
 
 // explainJobsSQL reads the jobs by primary key: the handoff recorded their
@@ -97,7 +103,7 @@ SELECT id, queue, state::text, attempt, max_attempts, coalesce(attempted_by, '{}
 FROM river_job WHERE id = ANY($1::bigint[])`
 
 const explainReceiptsSQL = `
-SELECT receiver, state, job_id, attempt, created_at, completed_at, expires_at, result
+SELECT receiver, state, job_id, attempt, created_at, completed_at, expires_at, result::text
 FROM outbox_receipt WHERE event_id = $1 ORDER BY receiver`
 
 func runExplain(ctx context.Context, c *cli, args []string) error {
@@ -158,12 +164,20 @@ func explain(ctx context.Context, pool *pgxpool.Pool, id int64) (*explainResult,
 	res := &explainResult{Jobs: []explainJob{}, Receipts: []explainReceipt{}}
 	e := &res.Event
 	err := pool.QueryRow(ctx, explainEventSQL, id).Scan(&e.ID, &e.Type, &e.TenantID, &e.DispatchKey, &e.Status, &e.Retries, &e.LastError,
-		&e.CreatedAt, &e.ScheduledAt, &e.LockedUntil, &e.ProcessedAt, &e.RiverJobIDs, &e.Payload)
+		&e.CreatedAt, &e.ScheduledAt, &e.LockedUntil, &e.ProcessedAt, &e.RiverJobIDs, &e.payload)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, errEventNotFound(id)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("read event %d: %w", id, err)
+	}
+	// The payload is read as text, never decoded (a row nested deeper than
+	// encoding/json accepts must still be explained); it is embedded in
+	// --json output when encoding/json can carry it, else given as text.
+	if raw := json.RawMessage(e.payload); json.Valid(raw) {
+		e.Payload = raw
+	} else {
+		e.PayloadText = &e.payload
 	}
 
 	found := map[int64]explainJob{}
@@ -209,9 +223,13 @@ func explain(ctx context.Context, pool *pgxpool.Pool, id int64) (*explainResult,
 	}
 	for rows.Next() {
 		var r explainReceipt
-		if err := rows.Scan(&r.Receiver, &r.State, &r.JobID, &r.Attempt, &r.CreatedAt, &r.CompletedAt, &r.ExpiresAt, &r.Result); err != nil {
+		var result *string
+		if err := rows.Scan(&r.Receiver, &r.State, &r.JobID, &r.Attempt, &r.CreatedAt, &r.CompletedAt, &r.ExpiresAt, &result); err != nil {
 			rows.Close()
 			return nil, fmt.Errorf("read receipts: %w", err)
+		}
+		if result != nil {
+			r.Result = embedJSON(*result)
 		}
 		res.Receipts = append(res.Receipts, r)
 	}
@@ -219,6 +237,16 @@ func explain(ctx context.Context, pool *pgxpool.Pool, id int64) (*explainResult,
 		return nil, fmt.Errorf("read receipts: %w", err)
 	}
 	return res, nil
+}
+
+// embedJSON returns text as JSON to embed in a document: as it is when
+// encoding/json accepts it, else as a JSON string holding the text.
+func embedJSON(text string) json.RawMessage {
+	if raw := json.RawMessage(text); json.Valid(raw) {
+		return raw
+	}
+	quoted, _ := json.Marshal(text)
+	return quoted
 }
 
 func fmtTime(t *time.Time) string {
@@ -250,9 +278,9 @@ func printExplain(w io.Writer, res *explainResult) {
 	if e.LastError != nil {
 		fmt.Fprintf(w, "  last error    %s\n", *e.LastError)
 	}
-	payload := string(e.Payload)
+	payload := e.payload
 	if len(payload) > 300 {
-		payload = payload[:300] + "… (" + strconv.Itoa(len(e.Payload)) + " bytes; --json shows all)"
+		payload = payload[:300] + "… (" + strconv.Itoa(len(e.payload)) + " bytes; --json shows all)"
 	}
 	fmt.Fprintf(w, "  payload       %s\n", payload)
 

@@ -884,7 +884,7 @@ type auditRow struct {
 }
 
 const auditListSQL = `
-SELECT id, at, actor, db_user, action, filter, affected, detail
+SELECT id, at, actor, db_user, action, filter::text, affected, detail::text
 FROM outbox_audit
 WHERE ($1::text IS NULL OR action = $1::text)
   AND ($2::timestamptz IS NULL OR at >= $2::timestamptz)
@@ -926,8 +926,12 @@ func runAudit(ctx context.Context, c *cli, args []string) error {
 		return fmt.Errorf("read outbox_audit (has `outboxctl migrate` run?): %w", err)
 	}
 	list, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (auditRow, error) {
+		// filter and detail are read as text and embedded only when
+		// encoding/json accepts them (see embedJSON).
 		var a auditRow
-		err := r.Scan(&a.ID, &a.At, &a.Actor, &a.DBUser, &a.Action, &a.Filter, &a.Affected, &a.Detail)
+		var filterText, detailText string
+		err := r.Scan(&a.ID, &a.At, &a.Actor, &a.DBUser, &a.Action, &filterText, &a.Affected, &detailText)
+		a.Filter, a.Detail = embedJSON(filterText), embedJSON(detailText)
 		return a, err
 	})
 	if err != nil {
