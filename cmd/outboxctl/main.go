@@ -9,9 +9,12 @@
 //	outboxctl audit                list the operator actions recorded
 //
 // Every command reads DATABASE_URL (the operator commands also take
-// --database-url) and takes --json. Exit status: 0 success, 1 failure
-// (stats --check: an alert threshold is crossed), 2 bad usage or a
-// selection refused by a guardrail. See docs/operations.md.
+// --database-url) and takes --json. Exit status, the same as outboxd's:
+// 0 success, 1 failure (the database, a schema not migrated yet, stats
+// --check: an alert threshold is crossed), 2 bad usage or configuration (a
+// flag, an environment variable, a routes file, a missing or unparsable
+// DATABASE_URL) or a selection refused by a guardrail. See
+// docs/operations.md.
 package main
 
 import (
@@ -25,10 +28,12 @@ import (
 	"os/signal"
 	"sort"
 	"syscall"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxhq/outbox/internal/dbconn"
+	"github.com/outboxhq/outbox/internal/schemacheck"
 )
 
 // command is one subcommand.
@@ -62,6 +67,14 @@ type cli struct {
 func (c *cli) db(ctx context.Context) (*pgxpool.Pool, error) {
 	if c.pool != nil {
 		return c.pool, nil
+	}
+	// A missing or unparsable connection string is bad configuration
+	// (exit 2), not a database failure.
+	if c.dbURL == "" {
+		return nil, usagef("DATABASE_URL is not set: give a Postgres connection string, e.g. postgres://user@127.0.0.1:5432/app (or --database-url)")
+	}
+	if _, err := pgxpool.ParseConfig(c.dbURL); err != nil {
+		return nil, usagef("DATABASE_URL is not a valid connection string: %s", dbconn.Redact(err.Error(), c.dbURL))
 	}
 	pool, err := dbconn.Open(ctx, c.dbURL, dbconn.Options{MaxConns: 4, Wait: 0})
 	if err != nil {
@@ -130,6 +143,12 @@ func run(args []string, dbURL string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	err := cmd.run(ctx, c, args[1:])
+	if err != nil && c.pool != nil {
+		// A command run before `outboxctl migrate` says so.
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		err = schemacheck.Explain(sctx, c.pool, err)
+		cancel()
+	}
 	var uerr *usageError
 	switch {
 	case err == nil:
@@ -160,7 +179,7 @@ func usage(w io.Writer) {
 	for _, n := range names {
 		fmt.Fprintf(w, "  %-10s %s\n", n, commands[n].summary)
 	}
-	fmt.Fprintln(w, "\nEvery command takes --json. Exit status: 0 success, 1 failure, 2 bad usage.")
+	fmt.Fprintln(w, "\nEvery command takes --json. Exit status: 0 success, 1 failure, 2 bad usage or configuration.")
 }
 
 func init() {

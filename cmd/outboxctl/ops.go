@@ -557,7 +557,7 @@ func runStats(ctx context.Context, c *cli, args []string) error {
 	worked := fs.String("worked-queues", os.Getenv("OUTBOX_WORKED_QUEUES"), "comma-separated River queues that some worker group works (default $OUTBOX_WORKED_QUEUES)")
 	maxBehind := fs.Int64("max-behind", 1000, "alert when more pending events than this are due for over 60s")
 	maxStalled := fs.Int64("max-stalled", 0, "alert when more River jobs than this are stalled")
-	maxFailed := fs.Int64("max-failed", -1, "alert when more events than this are failed (-1: off)")
+	maxFailed := fs.Int64("max-failed", 0, "alert when more events than this are failed (dead-lettered or unroutable); the default 0 alerts on any; -1: off")
 	maxDiscarded := fs.Int64("max-discarded", -1, "alert when more outbox River jobs than this are discarded (-1: off)")
 	if err := parse(fs, args); err != nil {
 		return err
