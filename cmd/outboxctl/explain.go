@@ -265,9 +265,10 @@ func orDash(s *string) string {
 
 func printExplain(w io.Writer, res *explainResult) {
 	e := res.Event
-	fmt.Fprintf(w, "event %d  %s  status %s\n", e.ID, e.Type, e.Status)
-	fmt.Fprintf(w, "  tenant        %s\n", orDash(e.TenantID))
-	fmt.Fprintf(w, "  dispatch key  %s\n", orDash(e.DispatchKey))
+	// Every value from the database goes through clean (escape.go).
+	fmt.Fprintf(w, "event %d  %s  status %s\n", e.ID, clean(e.Type), clean(e.Status))
+	fmt.Fprintf(w, "  tenant        %s\n", clean(orDash(e.TenantID)))
+	fmt.Fprintf(w, "  dispatch key  %s\n", clean(orDash(e.DispatchKey)))
 	fmt.Fprintf(w, "  created       %s\n", fmtTime(&e.CreatedAt))
 	if e.ProcessedAt != nil {
 		fmt.Fprintf(w, "  handed off    %s  (%s after created)\n", fmtTime(e.ProcessedAt), e.ProcessedAt.Sub(e.CreatedAt).Round(time.Microsecond))
@@ -276,22 +277,22 @@ func printExplain(w io.Writer, res *explainResult) {
 	}
 	fmt.Fprintf(w, "  retries       %d\n", e.Retries)
 	if e.LastError != nil {
-		fmt.Fprintf(w, "  last error    %s\n", *e.LastError)
+		fmt.Fprintf(w, "  last error    %s\n", clean(*e.LastError))
 	}
 	payload := e.payload
 	if len(payload) > 300 {
 		payload = payload[:300] + "… (" + strconv.Itoa(len(e.payload)) + " bytes; --json shows all)"
 	}
-	fmt.Fprintf(w, "  payload       %s\n", payload)
+	fmt.Fprintf(w, "  payload       %s\n", clean(payload))
 
 	fmt.Fprintln(w)
 	switch r := res.Routes; {
 	case r == nil:
 		fmt.Fprintln(w, "routes: not checked (give --routes FILE or set OUTBOX_ROUTES_FILE)")
 	case !r.Matched:
-		fmt.Fprintf(w, "routes (%s): no rule matches %s now\n", r.File, e.Type)
+		fmt.Fprintf(w, "routes (%s): no rule matches %s now\n", clean(r.File), clean(e.Type))
 	default:
-		fmt.Fprintf(w, "routes (%s): prefix %q → %s\n", r.File, r.Prefix, strings.Join(r.Queues, ", "))
+		fmt.Fprintf(w, "routes (%s): prefix %q → %s\n", clean(r.File), r.Prefix, clean(strings.Join(r.Queues, ", ")))
 	}
 
 	fmt.Fprintln(w)
@@ -299,7 +300,7 @@ func printExplain(w io.Writer, res *explainResult) {
 	case len(res.Jobs) == 0 && e.Status == "done":
 		fmt.Fprintln(w, "River jobs: none recorded (the event was handed off before job ids were recorded)")
 	case len(res.Jobs) == 0:
-		fmt.Fprintf(w, "River jobs: none (the event is %s, not handed off)\n", e.Status)
+		fmt.Fprintf(w, "River jobs: none (the event is %s, not handed off)\n", clean(e.Status))
 	default:
 		fmt.Fprintf(w, "River jobs (%d):\n", len(res.Jobs))
 	}
@@ -308,16 +309,16 @@ func printExplain(w io.Writer, res *explainResult) {
 			fmt.Fprintf(w, "  job %d  not in river_job: River deleted it after its retention period (finalized jobs are kept 24 h by default)\n", j.ID)
 			continue
 		}
-		fmt.Fprintf(w, "  job %d  queue %s  state %s  attempt %d/%d\n", j.ID, j.Queue, j.State, j.Attempt, j.MaxAttempts)
+		fmt.Fprintf(w, "  job %d  queue %s  state %s  attempt %d/%d\n", j.ID, clean(j.Queue), clean(j.State), j.Attempt, j.MaxAttempts)
 		fmt.Fprintf(w, "      created %s  attempted %s  finalized %s\n", fmtTime(j.CreatedAt), fmtTime(j.AttemptedAt), fmtTime(j.FinalizedAt))
 		if j.State == "retryable" || j.State == "scheduled" {
 			fmt.Fprintf(w, "      next run %s\n", fmtTime(j.ScheduledAt))
 		}
 		if len(j.AttemptedBy) > 0 {
-			fmt.Fprintf(w, "      worked by %s\n", strings.Join(j.AttemptedBy, ", "))
+			fmt.Fprintf(w, "      worked by %s\n", clean(strings.Join(j.AttemptedBy, ", ")))
 		}
 		for _, er := range j.Errors {
-			fmt.Fprintf(w, "      error, attempt %d at %s: %s\n", er.Attempt, fmtTime(&er.At), firstLine(er.Error))
+			fmt.Fprintf(w, "      error, attempt %d at %s: %s\n", er.Attempt, fmtTime(&er.At), clean(firstLine(er.Error)))
 		}
 	}
 
@@ -335,9 +336,9 @@ func printExplain(w io.Writer, res *explainResult) {
 				job += fmt.Sprintf(" (attempt %d)", *r.Attempt)
 			}
 		}
-		fmt.Fprintf(w, "  %s  %s by job %s  at %s  expires %s\n", r.Receiver, r.State, job, fmtTime(r.CompletedAt), fmtTime(&r.ExpiresAt))
+		fmt.Fprintf(w, "  %s  %s by job %s  at %s  expires %s\n", clean(r.Receiver), clean(r.State), job, fmtTime(r.CompletedAt), fmtTime(&r.ExpiresAt))
 		if len(r.Result) > 0 && string(r.Result) != "null" {
-			fmt.Fprintf(w, "      result %s\n", r.Result)
+			fmt.Fprintf(w, "      result %s\n", clean(string(r.Result)))
 		}
 	}
 }

@@ -18,6 +18,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -84,10 +85,19 @@ func (c *cli) db(ctx context.Context) (*pgxpool.Pool, error) {
 	return pool, nil
 }
 
+// printJSON prints v as one indented JSON document ending in exactly one
+// newline. encoding/json escapes C0 controls but not C1 controls or the
+// bidi controls: those are escaped here too (jsonEscapeUnsafe), so --json
+// output is as safe on a terminal as text output.
 func (c *cli) printJSON(v any) error {
-	enc := json.NewEncoder(c.stdout)
+	var buf bytes.Buffer
+	enc := json.NewEncoder(&buf)
 	enc.SetIndent("", "  ")
-	return enc.Encode(v)
+	if err := enc.Encode(v); err != nil {
+		return err
+	}
+	_, err := c.stdout.Write(jsonEscapeUnsafe(buf.Bytes()))
+	return err
 }
 
 // flags returns a FlagSet with --json bound, errors returned not printed.
@@ -155,7 +165,7 @@ func run(args []string, dbURL string, stdout, stderr io.Writer) int {
 		return 0
 	case errors.As(err, &uerr):
 		if uerr.msg != "" {
-			fmt.Fprintf(stderr, "outboxctl %s: %s\n", args[0], uerr.msg)
+			fmt.Fprintf(stderr, "outboxctl %s: %s\n", args[0], clean(uerr.msg))
 		}
 		return 2
 	default:
@@ -163,7 +173,7 @@ func run(args []string, dbURL string, stdout, stderr io.Writer) int {
 		if c.jsonOut {
 			_ = c.printJSON(map[string]string{"error": msg})
 		}
-		fmt.Fprintf(stderr, "outboxctl %s: %s\n", args[0], msg)
+		fmt.Fprintf(stderr, "outboxctl %s: %s\n", args[0], clean(msg))
 		return 1
 	}
 }

@@ -770,7 +770,7 @@ func printStats(w io.Writer, r *statsResult) {
 		if q.Worked != nil {
 			worked = map[bool]string{true: "yes", false: "NO"}[*q.Worked]
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%s\n", q.Queue, q.Available, q.Running, q.Retryable, q.Discarded, q.Stalled, worked)
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%s\n", clean(q.Queue), q.Available, q.Running, q.Retryable, q.Discarded, q.Stalled, worked)
 	}
 	_ = tw.Flush()
 	if len(r.Queues) == 0 {
@@ -780,14 +780,14 @@ func printStats(w io.Writer, r *statsResult) {
 		fmt.Fprintln(w, "\nworked queues unknown: pass --routes (and --worked-queues, OUTBOX_WORKED_QUEUES or OUTBOX_WORKER_GROUPS) to find routes nobody works")
 	}
 	for _, u := range r.UnworkedRoutes {
-		fmt.Fprintf(w, "route %q sends to queue %s, which no worker group works\n", u.Prefix, u.Queue)
+		fmt.Fprintf(w, "route %q sends to queue %s, which no worker group works\n", u.Prefix, clean(u.Queue))
 	}
 	fmt.Fprintln(w)
 	if len(r.Alerts) == 0 {
 		fmt.Fprintln(w, "alerts: none")
 	}
 	for _, a := range r.Alerts {
-		fmt.Fprintf(w, "ALERT %s: %s\n", a.Name, a.Message)
+		fmt.Fprintf(w, "ALERT %s: %s\n", a.Name, clean(a.Message))
 	}
 }
 
@@ -950,7 +950,7 @@ func runAudit(ctx context.Context, c *cli, args []string) error {
 	tw := tabwriter.NewWriter(c.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "ID\tAT\tACTOR\tDB USER\tACTION\tAFFECTED\tFILTER")
 	for _, a := range list {
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%d\t%s\n", a.ID, a.At.Local().Format(time.RFC3339), a.Actor, a.DBUser, a.Action, a.Affected, compactJSON(a.Filter))
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%d\t%s\n", a.ID, a.At.Local().Format(time.RFC3339), clean(a.Actor), clean(a.DBUser), clean(a.Action), a.Affected, clean(compactJSON(a.Filter)))
 	}
 	return tw.Flush()
 }

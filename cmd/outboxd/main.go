@@ -162,7 +162,7 @@ func run() int {
 	}
 
 	if cfg.HTTPAddr != "" {
-		stopHTTP, err := startHTTP(cfg.HTTPAddr, newHTTPHandler(reg, health{pool: pool, d: d, dbURL: cfg.DatabaseURL}), logger)
+		stopHTTP, err := startHTTP(cfg.HTTPAddr, newHTTPHandler(reg, health{pool: pool, d: d, dbURL: cfg.DatabaseURL, logger: logger}), logger)
 		if err != nil {
 			logger.Error("cannot start the HTTP listener", slog.String("error", err.Error()))
 			return 1

@@ -23,6 +23,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/internal/dbconn"
 	outboxsql "github.com/outboxhq/outbox/sql"
 )
 
@@ -66,13 +67,10 @@ func Admin(tb testing.TB) *pgxpool.Pool {
 	return adminPool
 }
 
-// Redact hides the password of a connection string.
+// Redact hides the password of a connection string, in every form
+// dbconn.Redact knows (the one implementation outboxd and outboxctl use).
 func Redact(url string) string {
-	cfg, err := pgx.ParseConfig(url)
-	if err != nil || cfg.Password == "" {
-		return url
-	}
-	return strings.ReplaceAll(url, cfg.Password, "xxxxx")
+	return dbconn.Redact(url, url)
 }
 
 // Schema is one test's isolated, migrated schema.
