@@ -315,7 +315,7 @@ func printExplain(w io.Writer, res *explainResult) {
 			fmt.Fprintf(w, "      next run %s\n", fmtTime(j.ScheduledAt))
 		}
 		if len(j.AttemptedBy) > 0 {
-			fmt.Fprintf(w, "      worked by %s\n", clean(strings.Join(j.AttemptedBy, ", ")))
+			fmt.Fprintf(w, "      worked by %s\n", clean(strings.Join(distinct(j.AttemptedBy), ", ")))
 		}
 		for _, er := range j.Errors {
 			fmt.Fprintf(w, "      error, attempt %d at %s: %s\n", er.Attempt, fmtTime(&er.At), clean(firstLine(er.Error)))
@@ -341,6 +341,26 @@ func printExplain(w io.Writer, res *explainResult) {
 			fmt.Fprintf(w, "      result %s\n", clean(string(r.Result)))
 		}
 	}
+}
+
+// distinct lists each worker once, in the order of their first attempt,
+// with the number of attempts when it ran more than one (River's
+// attempted_by has one entry per attempt; --json keeps them all).
+func distinct(workers []string) []string {
+	var order []string
+	n := map[string]int{}
+	for _, w := range workers {
+		if n[w] == 0 {
+			order = append(order, w)
+		}
+		n[w]++
+	}
+	for i, w := range order {
+		if n[w] > 1 {
+			order[i] = fmt.Sprintf("%s (%d attempts)", w, n[w])
+		}
+	}
+	return order
 }
 
 func firstLine(s string) string {

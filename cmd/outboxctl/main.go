@@ -165,6 +165,10 @@ func run(args []string, dbURL string, stdout, stderr io.Writer) int {
 		return 0
 	case errors.As(err, &uerr):
 		if uerr.msg != "" {
+			if c.jsonOut {
+				// --json promises one JSON document on stdout, errors included.
+				_ = c.printJSON(map[string]string{"error": dbconn.Redact(uerr.msg, c.dbURL)})
+			}
 			fmt.Fprintf(stderr, "outboxctl %s: %s\n", args[0], clean(uerr.msg))
 		}
 		return 2

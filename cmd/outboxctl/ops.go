@@ -437,7 +437,7 @@ func printSelect(w io.Writer, a selectAction, r *selectResult) {
 	if r.DryRun {
 		verb = "would be " + a.verb
 	}
-	fmt.Fprintf(w, "%d events %s", r.Affected, verb)
+	fmt.Fprintf(w, "%s %s", plural(r.Affected, "event", "events"), verb)
 	if len(r.From) > 0 {
 		fmt.Fprintf(w, " (from %s)", formatCounts(r.From))
 	}
@@ -463,7 +463,7 @@ func printSelect(w io.Writer, a selectAction, r *selectResult) {
 	if r.DryRun {
 		fmt.Fprintln(w, "dry run: nothing changed, nothing recorded")
 	} else {
-		fmt.Fprintf(w, "recorded as audit #%d by %s\n", r.AuditID, r.Actor)
+		fmt.Fprintf(w, "recorded as audit #%d by %s\n", r.AuditID, clean(r.Actor))
 	}
 }
 
@@ -631,16 +631,16 @@ func runStats(ctx context.Context, c *cli, args []string) error {
 		discarded += q.Discarded
 	}
 	alertIf("dispatcher_behind", float64(res.PendingDueOver60s), float64(*maxBehind),
-		fmt.Sprintf("%d pending events are due for more than 60s (oldest %.0fs): the dispatcher is behind or down", res.PendingDueOver60s, res.OldestDuePendingAgeS))
+		fmt.Sprintf("%s due for more than 60s (oldest %.0fs): the dispatcher is behind or down", plural(res.PendingDueOver60s, "pending event is", "pending events are"), res.OldestDuePendingAgeS))
 	alertIf("river_jobs_stalled", float64(stalled), float64(*maxStalled),
-		fmt.Sprintf("%d outbox River jobs have been running for more than %s", stalled, *stalledAfter))
+		fmt.Sprintf("%s been running for more than %s", plural(stalled, "outbox River job has", "outbox River jobs have"), *stalledAfter))
 	alertIf("events_failed", float64(res.Events["failed"]), float64(*maxFailed),
-		fmt.Sprintf("%d events are failed (dead-lettered or unroutable): fix the cause, then requeue or cancel them", res.Events["failed"]))
+		fmt.Sprintf("%s failed (dead-lettered or unroutable): fix the cause, then requeue or cancel it", plural(res.Events["failed"], "event is", "events are")))
 	alertIf("river_jobs_discarded", float64(discarded), float64(*maxDiscarded),
-		fmt.Sprintf("%d outbox River jobs are discarded: their receivers gave up", discarded))
+		fmt.Sprintf("%s discarded: the receiver gave up", plural(discarded, "outbox River job is", "outbox River jobs are")))
 	if len(res.UnworkedRoutes) > 0 {
 		alertIf("routes_unworked", float64(len(res.UnworkedRoutes)), 0,
-			fmt.Sprintf("%d routes send jobs to queues that no worker group works", len(res.UnworkedRoutes)))
+			plural(len(res.UnworkedRoutes), "route sends jobs to a queue that no worker group works", "routes send jobs to queues that no worker group works"))
 	}
 
 	if c.jsonOut {
@@ -849,11 +849,11 @@ func runRetention(ctx context.Context, c *cli, args []string) error {
 			"cutoff": res.Cutoff, "dry_run": res.DryRun, "audit_id": auditID})
 	}
 	if *dryRun {
-		fmt.Fprintf(c.stdout, "dry run: %d done events processed before %s would be deleted; nothing changed\n", res.Deleted, res.Cutoff.Format(time.RFC3339))
+		fmt.Fprintf(c.stdout, "dry run: %s processed before %s would be deleted; nothing changed\n", plural(res.Deleted, "done event", "done events"), res.Cutoff.Format(time.RFC3339))
 		return nil
 	}
-	fmt.Fprintf(c.stdout, "deleted %d done events processed before %s in %d batches; recorded as audit #%d\n",
-		res.Deleted, res.Cutoff.Format(time.RFC3339), res.Batches, auditID)
+	fmt.Fprintf(c.stdout, "deleted %s processed before %s in %s; recorded as audit #%d\n",
+		plural(res.Deleted, "done event", "done events"), res.Cutoff.Format(time.RFC3339), plural(res.Batches, "batch", "batches"), auditID)
 	return nil
 }
 

@@ -241,7 +241,16 @@ func run() int {
 	if err := workers.stop(sctx); err != nil {
 		logger.Warn("River workers did not stop cleanly", slog.String("error", err.Error()))
 	}
-	logger.Info("outboxd stopped", slog.Int64("events", s.Events), slog.Int64("jobs", s.Jobs), slog.Int64("batches", s.Batches))
+	// What this process did: the dispatcher's figures only when it ran, the
+	// jobs its workers ran (by outcome) only when it works queues.
+	var done []any
+	if d != nil {
+		done = append(done, slog.Int64("events", s.Events), slog.Int64("jobs", s.Jobs), slog.Int64("batches", s.Batches))
+	}
+	if workers != nil {
+		done = append(done, workers.counts.attrs()...)
+	}
+	logger.Info("outboxd stopped", done...)
 	return 0
 }
 

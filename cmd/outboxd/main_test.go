@@ -222,6 +222,10 @@ func TestDispatchesAndStopsCleanly(t *testing.T) {
 	if !strings.Contains(out.String(), `"msg":"outboxd stopped"`) {
 		t.Fatalf("no clean stop logged:\n%s", out.String())
 	}
+	// A dispatcher without workers reports dispatcher figures only.
+	if !strings.Contains(out.String(), `"events":1,"jobs":1,"batches":`) || strings.Contains(out.String(), "jobs_worked") {
+		t.Fatalf("shutdown figures:\n%s", out.String())
+	}
 }
 
 // TestKill9DuringDrainLosesAndDuplicatesNothing drains 20,000 events with two
