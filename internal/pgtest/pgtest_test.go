@@ -22,8 +22,8 @@ func TestSweepDropsSchemasOfDeadProcesses(t *testing.T) {
 	}
 	deadOwner := strings.Replace(owner(), strings.SplitN(owner(), " pid=", 2)[1], itoa(dead.Process.Pid), 1)
 	schemas := map[string]string{
-		"t_sweep_dead_" + itoa(dead.Process.Pid): deadOwner,
-		"t_sweep_live_" + itoa(dead.Process.Pid): owner(),
+		"t_sweep_dead_" + itoa(dead.Process.Pid):  deadOwner,
+		"t_sweep_live_" + itoa(dead.Process.Pid):  owner(),
 		"t_sweep_other_" + itoa(dead.Process.Pid): "somebody else",
 	}
 	for name, comment := range schemas {
