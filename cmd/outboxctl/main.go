@@ -153,7 +153,7 @@ func run(args []string, dbURL string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	err := cmd.run(ctx, c, args[1:])
-	if err != nil && c.pool != nil {
+	if err != nil && c.pool != nil && args[0] != "migrate" {
 		// A command run before `outboxctl migrate` says so.
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 		err = schemacheck.Explain(sctx, c.pool, err)
