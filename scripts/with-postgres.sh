@@ -7,8 +7,11 @@
 #   2. postgres://postgres@127.0.0.1:5432/postgres, when it answers;
 #   3. a throwaway cluster started from the installed server binaries (initdb,
 #      postgres; apt-get installs postgresql when they are missing), run as the
-#      postgres user on a free port in a temporary directory, and removed when
-#      COMMAND exits.
+#      postgres user on a free port in a temporary directory, and stopped and
+#      removed when the script ends (COMMAND's exit, a failed start, Ctrl-C,
+#      SIGTERM).
+# On a server found by 1 or 2 the script itself creates nothing; what the
+# make targets create there, and how they clean up, is in README.md.
 # OUTBOX_PG_THROWAWAY=1 skips 1 and 2 and always starts a throwaway cluster.
 # OUTBOX_PG_PROFILE selects the throwaway cluster's settings:
 #   test (default)  fsync, synchronous_commit and full_page_writes off: fast
@@ -23,6 +26,10 @@ log() { echo "with-postgres: $*" >&2; }
 
 url="${TEST_DATABASE_URL:-${DATABASE_URL:-}}"
 cleanup() { :; }
+run=()
+# A signal ends the script through exit, so the EXIT trap (cleanup) runs.
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 can_connect() {
 	if command -v psql >/dev/null 2>&1; then
@@ -55,8 +62,17 @@ start_throwaway() {
 	pgctl=$(dirname "$initdb")/pg_ctl
 	dir="" port=""
 	dir=$(mktemp -d /tmp/outbox-pg.XXXXXX)
+	# From here on the cluster is removed however the script ends: a failed
+	# initdb or start, COMMAND's exit, Ctrl-C or SIGTERM (see the traps).
+	cleanup() {
+		if [ -f "$dir/data/postmaster.pid" ]; then
+			log "stopping the throwaway Postgres"
+			"${run[@]}" "$pgctl" -D "$dir/data" -m immediate stop >/dev/null 2>&1 || true
+		fi
+		rm -rf "$dir"
+	}
+	trap cleanup EXIT
 	port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null || echo 55432)
-	run=()
 	if [ "$(id -u)" = 0 ]; then
 		id postgres >/dev/null 2>&1 || useradd --system --home "$dir" postgres
 		chown postgres "$dir"
@@ -80,11 +96,6 @@ start_throwaway() {
 		-o "-c listen_addresses=127.0.0.1 -p $port -k $dir $settings" start >&2 \
 		|| { cat "$dir/server.log" >&2; exit 1; }
 	url="postgres://postgres@127.0.0.1:$port/postgres?sslmode=disable"
-	cleanup() {
-		log "stopping the throwaway Postgres"
-		"${run[@]}" "$pgctl" -D "$dir/data" -m immediate stop >/dev/null 2>&1 || true
-		rm -rf "$dir"
-	}
 }
 
 if [ "${OUTBOX_PG_THROWAWAY:-}" = 1 ]; then
@@ -97,6 +108,6 @@ elif [ -z "$url" ]; then
 		start_throwaway
 	fi
 fi
-trap cleanup EXIT
 export TEST_DATABASE_URL="$url" DATABASE_URL="$url"
+# Not exec: the script stays to remove a throwaway cluster after COMMAND.
 "$@"

@@ -123,12 +123,23 @@ func run(invoices, rate int, keep bool) error {
 		return fmt.Errorf("connect (set DATABASE_URL): %w", err)
 	}
 	defer func() { _ = admin.Close(context.Background()) }()
+	sweepDemoDatabases(ctx, admin)
 	if _, err := admin.Exec(ctx, "CREATE DATABASE "+dbName); err != nil {
 		return err
 	}
-	if !keep {
+	// The database is dropped however run ends (an error, Ctrl-C); with
+	// -keep it is marked so that a later run's sweep leaves it alone.
+	if keep {
+		if _, err := admin.Exec(ctx, "COMMENT ON DATABASE "+dbName+" IS '"+keptComment+"'"); err != nil {
+			return err
+		}
+	} else {
 		defer func() {
-			_, _ = admin.Exec(context.Background(), "DROP DATABASE IF EXISTS "+dbName+" WITH (FORCE)")
+			dctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			if _, err := admin.Exec(dctx, "DROP DATABASE IF EXISTS "+dbName+" WITH (FORCE)"); err != nil {
+				fmt.Fprintf(os.Stderr, "demo: could not drop the demo database %s: %v (drop it by hand)\n", dbName, err)
+			}
 		}()
 	}
 	cfg, err := pgxpool.ParseConfig(baseURL)
@@ -318,6 +329,33 @@ func run(invoices, rate int, keep bool) error {
 	return nil
 }
 
+// keptComment marks a database kept with -keep.
+const keptComment = "outbox-demo -keep"
+
+// sweepDemoDatabases drops the databases that earlier runs left behind
+// when they were killed (SIGKILL, a closed terminal) before they could drop
+// them: outbox_demo_<pid> databases that nobody is connected to (a running
+// demo always is) and that -keep did not mark.
+func sweepDemoDatabases(ctx context.Context, admin *pgx.Conn) {
+	rows, err := admin.Query(ctx, `
+		SELECT d.datname FROM pg_database d
+		WHERE d.datname ~ '^outbox_demo_[0-9]+$'
+		  AND coalesce(shobj_description(d.oid, 'pg_database'), '') <> $1
+		  AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)`, keptComment)
+	if err != nil {
+		return
+	}
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return
+	}
+	for _, n := range names {
+		if _, err := admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{n}.Sanitize()); err == nil {
+			fmt.Printf("==> dropped %s, left behind by an earlier demo run that was killed\n", n)
+		}
+	}
+}
+
 // redeliver inserts a second River job with the args and queue of event
 // id's first job: a duplicate delivery, as an operator's re-run or a
 // rescued job would cause.
@@ -431,27 +469,28 @@ func report(ctx context.Context, pool *pgxpool.Pool, in reportInput) error {
 		if g.retried > 0 {
 			extra = fmt.Sprintf("   %d needed a retry", g.retried)
 		}
-		fmt.Printf("    group %-8s %-30s %4d jobs%s\n", g.group, g.queue, g.jobs, extra)
+		fmt.Printf("    group %-8s %-30s %9s%s\n", g.group, g.queue, plural(g.jobs, "job", "jobs"), extra)
 	}
 	fmt.Printf("  mail: mailbox rows            %d   (one per mail event)\n", mailbox)
 	fmt.Printf("  audit: audit_log rows         %d   (one per audit event)\n", audit)
 	fmt.Printf("  webhook: POSTs received       %d   (%d events accepted once each, plus the injected 503)\n", posts, accepted)
 	fmt.Printf("  retry: event %d got 503 on attempt 1; the claim was released and attempt 2 delivered it\n", in.retried)
-	fmt.Printf("  duplicates: events %d (mail) and %d (webhook) each ran as a second job; %d jobs, %d receipts, %d mailbox row, %d accepted POST: suppressed\n",
-		in.dupMail, in.retried, dupJobs, dupSuppressed, dupMailRows, acceptedRetried)
+	fmt.Printf("  duplicates: events %d (mail) and %d (webhook) each ran as a second job; %s, %s, %s, %s: suppressed\n",
+		in.dupMail, in.retried, plural(dupJobs, "job", "jobs"), plural(dupSuppressed, "receipt", "receipts"),
+		plural(dupMailRows, "mailbox row", "mailbox rows"), plural(acceptedRetried, "accepted POST", "accepted POSTs"))
 	fmt.Printf("  handoff, event created_at → River job created_at (database clock): p50 %.2f ms, p99 %.2f ms\n", handoffP50, handoffP99)
 	fmt.Printf("  event created_at → first attempt (database clock, both groups): p50 %.2f ms  p90 %.2f ms  p99 %.2f ms\n", startP50, startP90, startP99)
 	fmt.Printf("  commit → mail receiver start (wall clock, other process): p50 %s  p90 %s  p99 %s  max %s\n", pct(0.50), pct(0.90), pct(0.99), pct(1))
 
 	var problems []string
 	if done != in.published || notDone != 0 {
-		problems = append(problems, fmt.Sprintf("%d of %d events done", done, in.published))
+		problems = append(problems, fmt.Sprintf("%d of %s done", done, plural(in.published, "event", "events")))
 	}
 	if mailbox != in.invoices || audit != in.invoices {
-		problems = append(problems, fmt.Sprintf("mailbox %d and audit_log %d rows, want %d each", mailbox, audit, in.invoices))
+		problems = append(problems, fmt.Sprintf("mailbox %s and audit_log %s, want %d each", plural(mailbox, "row", "rows"), plural(audit, "row", "rows"), in.invoices))
 	}
 	if accepted != in.webhooks || posts != in.webhooks+1 || acceptedRetried != 1 {
-		problems = append(problems, fmt.Sprintf("webhook: %d POSTs, %d events accepted, want %d and %d", posts, accepted, in.webhooks+1, in.webhooks))
+		problems = append(problems, fmt.Sprintf("webhook: %s, %s accepted, want %d and %d", plural(posts, "POST", "POSTs"), plural(accepted, "event", "events"), in.webhooks+1, in.webhooks))
 	}
 	if dupJobs != 4 || dupMailRows != 1 || dupSuppressed != 2 {
 		problems = append(problems, "the duplicate deliveries were not suppressed")
@@ -464,6 +503,14 @@ func report(ctx context.Context, pool *pgxpool.Pool, in reportInput) error {
 }
 
 func step(s string) { fmt.Println("==>", s) }
+
+// plural is "1 job" or "2 jobs".
+func plural(n int, one, many string) string {
+	if n == 1 {
+		return "1 " + one
+	}
+	return fmt.Sprintf("%d %s", n, many)
+}
 
 // processes are the demo's child processes; their output is prefixed.
 type processes struct {

@@ -37,7 +37,7 @@ func runMigrate(ctx context.Context, c *cli, args []string) error {
 		return c.printJSON(res)
 	}
 	fmt.Fprintf(c.stdout, "schema %s: outbox at version %d (applied %v), River migrations applied %v\n",
-		res.Schema, res.OutboxVersion, res.OutboxApplied, res.RiverApplied)
+		clean(res.Schema), res.OutboxVersion, res.OutboxApplied, res.RiverApplied)
 	return nil
 }
 

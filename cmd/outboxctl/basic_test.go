@@ -38,7 +38,7 @@ func TestUsageErrorsExit2(t *testing.T) {
 		}
 	}
 	code, _, stderr := ctl(t, "", "publish", "--type", "a.b.c")
-	if code != 1 || !strings.Contains(stderr, "DATABASE_URL is not set") {
+	if code != 2 || !strings.Contains(stderr, "DATABASE_URL is not set") {
 		t.Errorf("no DATABASE_URL: exit %d, stderr %q", code, stderr)
 	}
 }

@@ -26,19 +26,25 @@ type explainResult struct {
 }
 
 type explainEvent struct {
-	ID          int64           `json:"id"`
-	Type        string          `json:"event_type"`
-	TenantID    *string         `json:"tenant_id"`
-	DispatchKey *string         `json:"dispatch_key"`
-	Status      string          `json:"status"`
-	Retries     int             `json:"retries"`
-	LastError   *string         `json:"last_error"`
-	CreatedAt   time.Time       `json:"created_at"`
-	ScheduledAt time.Time       `json:"scheduled_at"`
-	LockedUntil *time.Time      `json:"locked_until"`
-	ProcessedAt *time.Time      `json:"processed_at"`
-	RiverJobIDs []int64         `json:"river_job_ids"`
+	ID          int64      `json:"id"`
+	Type        string     `json:"event_type"`
+	TenantID    *string    `json:"tenant_id"`
+	DispatchKey *string    `json:"dispatch_key"`
+	Status      string     `json:"status"`
+	Retries     int        `json:"retries"`
+	LastError   *string    `json:"last_error"`
+	CreatedAt   time.Time  `json:"created_at"`
+	ScheduledAt time.Time  `json:"scheduled_at"`
+	LockedUntil *time.Time `json:"locked_until"`
+	ProcessedAt *time.Time `json:"processed_at"`
+	RiverJobIDs []int64    `json:"river_job_ids"`
+	// Payload is the stored JSON, embedded as it is; it is null (and
+	// PayloadText holds it) when the payload cannot be embedded in this
+	// document (nested deeper than encoding/json accepts).
 	Payload     json.RawMessage `json:"payload"`
+	PayloadText *string         `json:"payload_text,omitempty"`
+	// payload is the text read from the database, never decoded.
+	payload string
 }
 
 // explainRoutes is what the routes file says about the event now (the
@@ -86,7 +92,7 @@ type explainReceipt struct {
 
 const explainEventSQL = `
 SELECT id, event_type, tenant_id, dispatch_key, status::text, retries, last_error,
-       created_at, scheduled_at, locked_until, processed_at, coalesce(river_job_ids, '{}'), payload
+       created_at, scheduled_at, locked_until, processed_at, coalesce(river_job_ids, '{}'), payload::text
 FROM outbox_event WHERE id = $1`
 
 // explainJobsSQL reads the jobs by primary key: the handoff recorded their
@@ -97,7 +103,7 @@ SELECT id, queue, state::text, attempt, max_attempts, coalesce(attempted_by, '{}
 FROM river_job WHERE id = ANY($1::bigint[])`
 
 const explainReceiptsSQL = `
-SELECT receiver, state, job_id, attempt, created_at, completed_at, expires_at, result
+SELECT receiver, state, job_id, attempt, created_at, completed_at, expires_at, result::text
 FROM outbox_receipt WHERE event_id = $1 ORDER BY receiver`
 
 func runExplain(ctx context.Context, c *cli, args []string) error {
@@ -158,12 +164,20 @@ func explain(ctx context.Context, pool *pgxpool.Pool, id int64) (*explainResult,
 	res := &explainResult{Jobs: []explainJob{}, Receipts: []explainReceipt{}}
 	e := &res.Event
 	err := pool.QueryRow(ctx, explainEventSQL, id).Scan(&e.ID, &e.Type, &e.TenantID, &e.DispatchKey, &e.Status, &e.Retries, &e.LastError,
-		&e.CreatedAt, &e.ScheduledAt, &e.LockedUntil, &e.ProcessedAt, &e.RiverJobIDs, &e.Payload)
+		&e.CreatedAt, &e.ScheduledAt, &e.LockedUntil, &e.ProcessedAt, &e.RiverJobIDs, &e.payload)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, errEventNotFound(id)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("read event %d: %w", id, err)
+	}
+	// The payload is read as text, never decoded (a row nested deeper than
+	// encoding/json accepts must still be explained); it is embedded in
+	// --json output when encoding/json can carry it, else given as text.
+	if raw := json.RawMessage(e.payload); json.Valid(raw) {
+		e.Payload = raw
+	} else {
+		e.PayloadText = &e.payload
 	}
 
 	found := map[int64]explainJob{}
@@ -209,9 +223,13 @@ func explain(ctx context.Context, pool *pgxpool.Pool, id int64) (*explainResult,
 	}
 	for rows.Next() {
 		var r explainReceipt
-		if err := rows.Scan(&r.Receiver, &r.State, &r.JobID, &r.Attempt, &r.CreatedAt, &r.CompletedAt, &r.ExpiresAt, &r.Result); err != nil {
+		var result *string
+		if err := rows.Scan(&r.Receiver, &r.State, &r.JobID, &r.Attempt, &r.CreatedAt, &r.CompletedAt, &r.ExpiresAt, &result); err != nil {
 			rows.Close()
 			return nil, fmt.Errorf("read receipts: %w", err)
+		}
+		if result != nil {
+			r.Result = embedJSON(*result)
 		}
 		res.Receipts = append(res.Receipts, r)
 	}
@@ -219,6 +237,16 @@ func explain(ctx context.Context, pool *pgxpool.Pool, id int64) (*explainResult,
 		return nil, fmt.Errorf("read receipts: %w", err)
 	}
 	return res, nil
+}
+
+// embedJSON returns text as JSON to embed in a document: as it is when
+// encoding/json accepts it, else as a JSON string holding the text.
+func embedJSON(text string) json.RawMessage {
+	if raw := json.RawMessage(text); json.Valid(raw) {
+		return raw
+	}
+	quoted, _ := json.Marshal(text)
+	return quoted
 }
 
 func fmtTime(t *time.Time) string {
@@ -237,9 +265,10 @@ func orDash(s *string) string {
 
 func printExplain(w io.Writer, res *explainResult) {
 	e := res.Event
-	fmt.Fprintf(w, "event %d  %s  status %s\n", e.ID, e.Type, e.Status)
-	fmt.Fprintf(w, "  tenant        %s\n", orDash(e.TenantID))
-	fmt.Fprintf(w, "  dispatch key  %s\n", orDash(e.DispatchKey))
+	// Every value from the database goes through clean (escape.go).
+	fmt.Fprintf(w, "event %d  %s  status %s\n", e.ID, clean(e.Type), clean(e.Status))
+	fmt.Fprintf(w, "  tenant        %s\n", clean(orDash(e.TenantID)))
+	fmt.Fprintf(w, "  dispatch key  %s\n", clean(orDash(e.DispatchKey)))
 	fmt.Fprintf(w, "  created       %s\n", fmtTime(&e.CreatedAt))
 	if e.ProcessedAt != nil {
 		fmt.Fprintf(w, "  handed off    %s  (%s after created)\n", fmtTime(e.ProcessedAt), e.ProcessedAt.Sub(e.CreatedAt).Round(time.Microsecond))
@@ -248,22 +277,22 @@ func printExplain(w io.Writer, res *explainResult) {
 	}
 	fmt.Fprintf(w, "  retries       %d\n", e.Retries)
 	if e.LastError != nil {
-		fmt.Fprintf(w, "  last error    %s\n", *e.LastError)
+		fmt.Fprintf(w, "  last error    %s\n", clean(*e.LastError))
 	}
-	payload := string(e.Payload)
+	payload := e.payload
 	if len(payload) > 300 {
-		payload = payload[:300] + "… (" + strconv.Itoa(len(e.Payload)) + " bytes; --json shows all)"
+		payload = payload[:300] + "… (" + strconv.Itoa(len(e.payload)) + " bytes; --json shows all)"
 	}
-	fmt.Fprintf(w, "  payload       %s\n", payload)
+	fmt.Fprintf(w, "  payload       %s\n", clean(payload))
 
 	fmt.Fprintln(w)
 	switch r := res.Routes; {
 	case r == nil:
 		fmt.Fprintln(w, "routes: not checked (give --routes FILE or set OUTBOX_ROUTES_FILE)")
 	case !r.Matched:
-		fmt.Fprintf(w, "routes (%s): no rule matches %s now\n", r.File, e.Type)
+		fmt.Fprintf(w, "routes (%s): no rule matches %s now\n", clean(r.File), clean(e.Type))
 	default:
-		fmt.Fprintf(w, "routes (%s): prefix %q → %s\n", r.File, r.Prefix, strings.Join(r.Queues, ", "))
+		fmt.Fprintf(w, "routes (%s): prefix %q → %s\n", clean(r.File), r.Prefix, clean(strings.Join(r.Queues, ", ")))
 	}
 
 	fmt.Fprintln(w)
@@ -271,7 +300,7 @@ func printExplain(w io.Writer, res *explainResult) {
 	case len(res.Jobs) == 0 && e.Status == "done":
 		fmt.Fprintln(w, "River jobs: none recorded (the event was handed off before job ids were recorded)")
 	case len(res.Jobs) == 0:
-		fmt.Fprintf(w, "River jobs: none (the event is %s, not handed off)\n", e.Status)
+		fmt.Fprintf(w, "River jobs: none (the event is %s, not handed off)\n", clean(e.Status))
 	default:
 		fmt.Fprintf(w, "River jobs (%d):\n", len(res.Jobs))
 	}
@@ -280,16 +309,16 @@ func printExplain(w io.Writer, res *explainResult) {
 			fmt.Fprintf(w, "  job %d  not in river_job: River deleted it after its retention period (finalized jobs are kept 24 h by default)\n", j.ID)
 			continue
 		}
-		fmt.Fprintf(w, "  job %d  queue %s  state %s  attempt %d/%d\n", j.ID, j.Queue, j.State, j.Attempt, j.MaxAttempts)
+		fmt.Fprintf(w, "  job %d  queue %s  state %s  attempt %d/%d\n", j.ID, clean(j.Queue), clean(j.State), j.Attempt, j.MaxAttempts)
 		fmt.Fprintf(w, "      created %s  attempted %s  finalized %s\n", fmtTime(j.CreatedAt), fmtTime(j.AttemptedAt), fmtTime(j.FinalizedAt))
 		if j.State == "retryable" || j.State == "scheduled" {
 			fmt.Fprintf(w, "      next run %s\n", fmtTime(j.ScheduledAt))
 		}
 		if len(j.AttemptedBy) > 0 {
-			fmt.Fprintf(w, "      worked by %s\n", strings.Join(j.AttemptedBy, ", "))
+			fmt.Fprintf(w, "      worked by %s\n", clean(strings.Join(distinct(j.AttemptedBy), ", ")))
 		}
 		for _, er := range j.Errors {
-			fmt.Fprintf(w, "      error, attempt %d at %s: %s\n", er.Attempt, fmtTime(&er.At), firstLine(er.Error))
+			fmt.Fprintf(w, "      error, attempt %d at %s: %s\n", er.Attempt, fmtTime(&er.At), clean(firstLine(er.Error)))
 		}
 	}
 
@@ -307,11 +336,31 @@ func printExplain(w io.Writer, res *explainResult) {
 				job += fmt.Sprintf(" (attempt %d)", *r.Attempt)
 			}
 		}
-		fmt.Fprintf(w, "  %s  %s by job %s  at %s  expires %s\n", r.Receiver, r.State, job, fmtTime(r.CompletedAt), fmtTime(&r.ExpiresAt))
+		fmt.Fprintf(w, "  %s  %s by job %s  at %s  expires %s\n", clean(r.Receiver), clean(r.State), job, fmtTime(r.CompletedAt), fmtTime(&r.ExpiresAt))
 		if len(r.Result) > 0 && string(r.Result) != "null" {
-			fmt.Fprintf(w, "      result %s\n", r.Result)
+			fmt.Fprintf(w, "      result %s\n", clean(string(r.Result)))
 		}
 	}
+}
+
+// distinct lists each worker once, in the order of their first attempt,
+// with the number of attempts when it ran more than one (River's
+// attempted_by has one entry per attempt; --json keeps them all).
+func distinct(workers []string) []string {
+	var order []string
+	n := map[string]int{}
+	for _, w := range workers {
+		if n[w] == 0 {
+			order = append(order, w)
+		}
+		n[w]++
+	}
+	for i, w := range order {
+		if n[w] > 1 {
+			order[i] = fmt.Sprintf("%s (%d attempts)", w, n[w])
+		}
+	}
+	return order
 }
 
 func firstLine(s string) string {

@@ -9,12 +9,16 @@
 //	outboxctl audit                list the operator actions recorded
 //
 // Every command reads DATABASE_URL (the operator commands also take
-// --database-url) and takes --json. Exit status: 0 success, 1 failure
-// (stats --check: an alert threshold is crossed), 2 bad usage or a
-// selection refused by a guardrail. See docs/operations.md.
+// --database-url) and takes --json. Exit status, the same as outboxd's:
+// 0 success, 1 failure (the database, a schema not migrated yet, stats
+// --check: an alert threshold is crossed), 2 bad usage or configuration (a
+// flag, an environment variable, a routes file, a missing or unparsable
+// DATABASE_URL) or a selection refused by a guardrail. See
+// docs/operations.md.
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -25,10 +29,12 @@ import (
 	"os/signal"
 	"sort"
 	"syscall"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxhq/outbox/internal/dbconn"
+	"github.com/outboxhq/outbox/internal/schemacheck"
 )
 
 // command is one subcommand.
@@ -63,6 +69,14 @@ func (c *cli) db(ctx context.Context) (*pgxpool.Pool, error) {
 	if c.pool != nil {
 		return c.pool, nil
 	}
+	// A missing or unparsable connection string is bad configuration
+	// (exit 2), not a database failure.
+	if c.dbURL == "" {
+		return nil, usagef("DATABASE_URL is not set: give a Postgres connection string, e.g. postgres://user@127.0.0.1:5432/app (or --database-url)")
+	}
+	if _, err := pgxpool.ParseConfig(c.dbURL); err != nil {
+		return nil, usagef("DATABASE_URL is not a valid connection string: %s", dbconn.Redact(err.Error(), c.dbURL))
+	}
 	pool, err := dbconn.Open(ctx, c.dbURL, dbconn.Options{MaxConns: 4, Wait: 0})
 	if err != nil {
 		return nil, err
@@ -71,10 +85,19 @@ func (c *cli) db(ctx context.Context) (*pgxpool.Pool, error) {
 	return pool, nil
 }
 
+// printJSON prints v as one indented JSON document ending in exactly one
+// newline. encoding/json escapes C0 controls but not C1 controls or the
+// bidi controls: those are escaped here too (jsonEscapeUnsafe), so --json
+// output is as safe on a terminal as text output.
 func (c *cli) printJSON(v any) error {
-	enc := json.NewEncoder(c.stdout)
+	var buf bytes.Buffer
+	enc := json.NewEncoder(&buf)
 	enc.SetIndent("", "  ")
-	return enc.Encode(v)
+	if err := enc.Encode(v); err != nil {
+		return err
+	}
+	_, err := c.stdout.Write(jsonEscapeUnsafe(buf.Bytes()))
+	return err
 }
 
 // flags returns a FlagSet with --json bound, errors returned not printed.
@@ -130,13 +153,23 @@ func run(args []string, dbURL string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	err := cmd.run(ctx, c, args[1:])
+	if err != nil && c.pool != nil && args[0] != "migrate" {
+		// A command run before `outboxctl migrate` says so.
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		err = schemacheck.Explain(sctx, c.pool, err)
+		cancel()
+	}
 	var uerr *usageError
 	switch {
 	case err == nil:
 		return 0
 	case errors.As(err, &uerr):
 		if uerr.msg != "" {
-			fmt.Fprintf(stderr, "outboxctl %s: %s\n", args[0], uerr.msg)
+			if c.jsonOut {
+				// --json promises one JSON document on stdout, errors included.
+				_ = c.printJSON(map[string]string{"error": dbconn.Redact(uerr.msg, c.dbURL)})
+			}
+			fmt.Fprintf(stderr, "outboxctl %s: %s\n", args[0], clean(uerr.msg))
 		}
 		return 2
 	default:
@@ -144,7 +177,7 @@ func run(args []string, dbURL string, stdout, stderr io.Writer) int {
 		if c.jsonOut {
 			_ = c.printJSON(map[string]string{"error": msg})
 		}
-		fmt.Fprintf(stderr, "outboxctl %s: %s\n", args[0], msg)
+		fmt.Fprintf(stderr, "outboxctl %s: %s\n", args[0], clean(msg))
 		return 1
 	}
 }
@@ -160,7 +193,7 @@ func usage(w io.Writer) {
 	for _, n := range names {
 		fmt.Fprintf(w, "  %-10s %s\n", n, commands[n].summary)
 	}
-	fmt.Fprintln(w, "\nEvery command takes --json. Exit status: 0 success, 1 failure, 2 bad usage.")
+	fmt.Fprintln(w, "\nEvery command takes --json. Exit status: 0 success, 1 failure, 2 bad usage or configuration.")
 }
 
 func init() {

@@ -270,7 +270,7 @@ func runSelect(ctx context.Context, c *cli, a selectAction, args []string) error
 		if res.DryRun {
 			would = "would be"
 		}
-		res.Warning = fmt.Sprintf("%s %s replayed: River gets a new job for each, so every receiver sees them again; receivers must be idempotent (dedupe on event_id)", nounCount(res.From["done"], "done event"), would)
+		res.Warning = fmt.Sprintf("%s %s replayed: River gets a new job for each, so every receiver sees them again; receivers must be idempotent (dedupe on event_id)", plural(res.From["done"], "done event", "done events"), would)
 		fmt.Fprintf(c.stderr, "outboxctl %s: warning: %s\n", a.name, res.Warning)
 	}
 	if c.jsonOut {
@@ -325,7 +325,7 @@ func printSelect(w io.Writer, a selectAction, r *selectResult) {
 	if r.DryRun {
 		verb = "would be " + a.verb
 	}
-	fmt.Fprintf(w, "%s %s", nounCount(r.Affected, "event"), verb)
+	fmt.Fprintf(w, "%s %s", plural(r.Affected, "event", "events"), verb)
 	if len(r.From) > 0 {
 		fmt.Fprintf(w, " (from %s)", formatCounts(r.From))
 	}
@@ -351,20 +351,8 @@ func printSelect(w io.Writer, a selectAction, r *selectResult) {
 	if r.DryRun {
 		fmt.Fprintln(w, "dry run: nothing changed, nothing recorded")
 	} else {
-		fmt.Fprintf(w, "recorded as audit #%d by %s\n", r.AuditID, r.Actor)
+		fmt.Fprintf(w, "recorded as audit #%d by %s\n", r.AuditID, clean(r.Actor))
 	}
-}
-
-// nounCount is "1 event", "2 events", "0 batches": n and the noun, plural
-// unless n is 1.
-func nounCount[N int | int64](n N, noun string) string {
-	if n == 1 {
-		return "1 " + noun
-	}
-	if strings.HasSuffix(noun, "ch") || strings.HasSuffix(noun, "s") {
-		return fmt.Sprintf("%d %ses", n, noun)
-	}
-	return fmt.Sprintf("%d %ss", n, noun)
 }
 
 func formatCounts(m map[string]int) string {
@@ -457,7 +445,7 @@ func runStats(ctx context.Context, c *cli, args []string) error {
 	worked := fs.String("worked-queues", os.Getenv("OUTBOX_WORKED_QUEUES"), "comma-separated River queues that some worker group works (default $OUTBOX_WORKED_QUEUES)")
 	maxBehind := fs.Int64("max-behind", 1000, "alert when more pending events than this are due for over 60s")
 	maxStalled := fs.Int64("max-stalled", 0, "alert when more River jobs than this are stalled")
-	maxFailed := fs.Int64("max-failed", -1, "alert when more events than this are failed (-1: off)")
+	maxFailed := fs.Int64("max-failed", 0, "alert when more events than this are failed (dead-lettered or unroutable); the default 0 alerts on any; -1: off")
 	maxDiscarded := fs.Int64("max-discarded", -1, "alert when more outbox River jobs than this are discarded (-1: off)")
 	if err := parse(fs, args); err != nil {
 		return err
@@ -531,16 +519,16 @@ func runStats(ctx context.Context, c *cli, args []string) error {
 		discarded += q.Discarded
 	}
 	alertIf("dispatcher_behind", float64(res.PendingDueOver60s), float64(*maxBehind),
-		fmt.Sprintf("%d pending events are due for more than 60s (oldest %.0fs): the dispatcher is behind or down", res.PendingDueOver60s, res.OldestDuePendingAgeS))
+		fmt.Sprintf("%s due for more than 60s (oldest %.0fs): the dispatcher is behind or down", plural(res.PendingDueOver60s, "pending event is", "pending events are"), res.OldestDuePendingAgeS))
 	alertIf("river_jobs_stalled", float64(stalled), float64(*maxStalled),
-		fmt.Sprintf("%d outbox River jobs have been running for more than %s", stalled, *stalledAfter))
+		fmt.Sprintf("%s been running for more than %s", plural(stalled, "outbox River job has", "outbox River jobs have"), *stalledAfter))
 	alertIf("events_failed", float64(res.Events["failed"]), float64(*maxFailed),
-		fmt.Sprintf("%d events are failed (dead-lettered or unroutable): fix the cause, then requeue or cancel them", res.Events["failed"]))
+		fmt.Sprintf("%s failed (dead-lettered or unroutable): fix the cause, then requeue or cancel it", plural(res.Events["failed"], "event is", "events are")))
 	alertIf("river_jobs_discarded", float64(discarded), float64(*maxDiscarded),
-		fmt.Sprintf("%d outbox River jobs are discarded: their receivers gave up", discarded))
+		fmt.Sprintf("%s discarded: the receiver gave up", plural(discarded, "outbox River job is", "outbox River jobs are")))
 	if len(res.UnworkedRoutes) > 0 {
 		alertIf("routes_unworked", float64(len(res.UnworkedRoutes)), 0,
-			fmt.Sprintf("%d routes send jobs to queues that no worker group works", len(res.UnworkedRoutes)))
+			plural(len(res.UnworkedRoutes), "route sends jobs to a queue that no worker group works", "routes send jobs to queues that no worker group works"))
 	}
 
 	if c.jsonOut {
@@ -670,7 +658,7 @@ func printStats(w io.Writer, r *statsResult) {
 		if q.Worked != nil {
 			worked = map[bool]string{true: "yes", false: "NO"}[*q.Worked]
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%s\n", q.Queue, q.Available, q.Running, q.Retryable, q.Discarded, q.Stalled, worked)
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%s\n", clean(q.Queue), q.Available, q.Running, q.Retryable, q.Discarded, q.Stalled, worked)
 	}
 	_ = tw.Flush()
 	if len(r.Queues) == 0 {
@@ -680,14 +668,14 @@ func printStats(w io.Writer, r *statsResult) {
 		fmt.Fprintln(w, "\nworked queues unknown: pass --routes (and --worked-queues, OUTBOX_WORKED_QUEUES or OUTBOX_WORKER_GROUPS) to find routes nobody works")
 	}
 	for _, u := range r.UnworkedRoutes {
-		fmt.Fprintf(w, "route %q sends to queue %s, which no worker group works\n", u.Prefix, u.Queue)
+		fmt.Fprintf(w, "route %q sends to queue %s, which no worker group works\n", u.Prefix, clean(u.Queue))
 	}
 	fmt.Fprintln(w)
 	if len(r.Alerts) == 0 {
 		fmt.Fprintln(w, "alerts: none")
 	}
 	for _, a := range r.Alerts {
-		fmt.Fprintf(w, "ALERT %s: %s\n", a.Name, a.Message)
+		fmt.Fprintf(w, "ALERT %s: %s\n", a.Name, clean(a.Message))
 	}
 }
 
@@ -749,11 +737,11 @@ func runRetention(ctx context.Context, c *cli, args []string) error {
 			"cutoff": res.Cutoff, "dry_run": res.DryRun, "audit_id": auditID})
 	}
 	if *dryRun {
-		fmt.Fprintf(c.stdout, "dry run: %s processed before %s would be deleted; nothing changed\n", nounCount(res.Deleted, "done event"), res.Cutoff.Format(time.RFC3339))
+		fmt.Fprintf(c.stdout, "dry run: %s processed before %s would be deleted; nothing changed\n", plural(res.Deleted, "done event", "done events"), res.Cutoff.Format(time.RFC3339))
 		return nil
 	}
 	fmt.Fprintf(c.stdout, "deleted %s processed before %s in %s; recorded as audit #%d\n",
-		nounCount(res.Deleted, "done event"), res.Cutoff.Format(time.RFC3339), nounCount(res.Batches, "batch"), auditID)
+		plural(res.Deleted, "done event", "done events"), res.Cutoff.Format(time.RFC3339), plural(res.Batches, "batch", "batches"), auditID)
 	return nil
 }
 
@@ -784,7 +772,7 @@ type auditRow struct {
 }
 
 const auditListSQL = `
-SELECT id, at, actor, db_user, action, filter, affected, detail
+SELECT id, at, actor, db_user, action, filter::text, affected, detail::text
 FROM outbox_audit
 WHERE ($1::text IS NULL OR action = $1::text)
   AND ($2::timestamptz IS NULL OR at >= $2::timestamptz)
@@ -826,8 +814,12 @@ func runAudit(ctx context.Context, c *cli, args []string) error {
 		return fmt.Errorf("read outbox_audit (has `outboxctl migrate` run?): %w", err)
 	}
 	list, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (auditRow, error) {
+		// filter and detail are read as text and embedded only when
+		// encoding/json accepts them (see embedJSON).
 		var a auditRow
-		err := r.Scan(&a.ID, &a.At, &a.Actor, &a.DBUser, &a.Action, &a.Filter, &a.Affected, &a.Detail)
+		var filterText, detailText string
+		err := r.Scan(&a.ID, &a.At, &a.Actor, &a.DBUser, &a.Action, &filterText, &a.Affected, &detailText)
+		a.Filter, a.Detail = embedJSON(filterText), embedJSON(detailText)
 		return a, err
 	})
 	if err != nil {
@@ -846,7 +838,7 @@ func runAudit(ctx context.Context, c *cli, args []string) error {
 	tw := tabwriter.NewWriter(c.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "ID\tAT\tACTOR\tDB USER\tACTION\tAFFECTED\tFILTER")
 	for _, a := range list {
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%d\t%s\n", a.ID, a.At.Local().Format(time.RFC3339), a.Actor, a.DBUser, a.Action, a.Affected, compactJSON(a.Filter))
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%d\t%s\n", a.ID, a.At.Local().Format(time.RFC3339), clean(a.Actor), clean(a.DBUser), clean(a.Action), a.Affected, clean(compactJSON(a.Filter)))
 	}
 	return tw.Flush()
 }

@@ -650,7 +650,7 @@ func TestStats(t *testing.T) {
 		}
 		return out
 	}
-	if fmt.Sprint(names(st.Alerts)) != "[river_jobs_stalled routes_unworked]" {
+	if fmt.Sprint(names(st.Alerts)) != "[river_jobs_stalled events_failed routes_unworked]" {
 		t.Fatalf("alerts %v", names(st.Alerts))
 	}
 
@@ -667,7 +667,7 @@ func TestStats(t *testing.T) {
 	if err := json.Unmarshal([]byte(out), &checked); err != nil {
 		t.Fatalf("--check --json must print exactly one JSON document: %v\n%s", err, out)
 	}
-	if fmt.Sprint(names(checked.Alerts)) != "[dispatcher_behind]" {
+	if fmt.Sprint(names(checked.Alerts)) != "[dispatcher_behind events_failed]" {
 		t.Fatalf("alerts %v", names(checked.Alerts))
 	}
 	code, _, errOut = octl(t, s, "stats", "--check", "--stalled-after", "2h", "--max-failed", "3")

@@ -22,7 +22,10 @@ import (
 type health struct {
 	pool  *pgxpool.Pool
 	d     *dispatcher.Dispatcher
-	dbURL string // only to redact passwords from error messages
+	dbURL string // only to redact passwords from the logged errors
+	// logger gets the details /readyz keeps to itself; nil means
+	// slog.Default().
+	logger *slog.Logger
 }
 
 // newHTTPHandler serves
@@ -32,6 +35,9 @@ type health struct {
 //	/readyz   200 when the database answers a ping within 2 s and, when the
 //	          dispatcher is enabled, its loop runs; 503 with the reason
 //	          otherwise (readiness)
+//
+// The endpoints are unauthenticated: they say what is up or down, never a
+// user, host, database or error text (the log has those).
 func newHTTPHandler(reg *prometheus.Registry, h health) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg, ErrorHandling: promhttp.ContinueOnError}))
@@ -56,7 +62,12 @@ func (h health) ready(ctx context.Context) error {
 		pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()
 		if err := h.pool.Ping(pctx); err != nil {
-			return fmt.Errorf("database unreachable: %s", dbconn.Redact(err.Error(), h.dbURL))
+			logger := h.logger
+			if logger == nil {
+				logger = slog.Default()
+			}
+			logger.Warn("/readyz: database unreachable", slog.String("error", dbconn.Redact(err.Error(), h.dbURL)))
+			return errors.New("database unreachable")
 		}
 	}
 	if h.d != nil && !h.d.Running() {

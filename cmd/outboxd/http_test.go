@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -224,17 +225,25 @@ func TestReadyzTurnsUnreadyWhenDatabaseUnreachable(t *testing.T) {
 	if err := m.Register(reg); err != nil {
 		t.Fatal(err)
 	}
-	srv := httptest.NewServer(newHTTPHandler(reg, health{pool: pool}))
+	srv := httptest.NewServer(newHTTPHandler(reg, health{pool: pool, logger: slog.New(slog.DiscardHandler)}))
 	t.Cleanup(srv.Close)
 
 	if code, body := get(t, srv.URL+"/readyz"); code != http.StatusOK {
 		t.Fatalf("/readyz through the proxy = %d %q", code, body)
 	}
 	p.Close()
+	var unready string
 	pgtest.WaitFor(t, 30*time.Second, "/readyz to turn unready", func() bool {
 		code, body := get(t, srv.URL+"/readyz")
+		unready = body
 		return code == http.StatusServiceUnavailable && strings.Contains(body, "database unreachable")
 	})
+	// An unauthenticated endpoint names no user, host, port or database.
+	for _, secret := range []string{cfg.ConnConfig.User, host, port, cfg.ConnConfig.Database, s.Name, "user=", "database="} {
+		if strings.Contains(unready, secret) {
+			t.Errorf("/readyz shows %q: %q", secret, unready)
+		}
+	}
 	if code, _ := get(t, srv.URL+"/healthz"); code != http.StatusOK {
 		t.Fatalf("/healthz must stay 200 (the process is alive), got %d", code)
 	}

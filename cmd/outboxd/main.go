@@ -25,6 +25,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
@@ -33,9 +34,19 @@ import (
 	"github.com/outboxhq/outbox/dispatcher"
 	"github.com/outboxhq/outbox/internal/config"
 	"github.com/outboxhq/outbox/internal/dbconn"
+	"github.com/outboxhq/outbox/internal/schemacheck"
 	"github.com/outboxhq/outbox/metrics"
 	"github.com/outboxhq/outbox/retention"
 	"github.com/outboxhq/outbox/route"
+)
+
+// Exit statuses, the same as outboxctl's (docs/operations.md): 0 a clean
+// stop (SIGTERM), 1 a runtime failure (the database, the schema, a port),
+// 2 bad configuration (an environment variable, the routes file,
+// DATABASE_URL that does not parse, SENTRY_DSN).
+const (
+	exitFailure = 1
+	exitConfig  = 2
 )
 
 func main() {
@@ -46,7 +57,7 @@ func run() int {
 	cfg, err := config.Load()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "outboxd:", err)
-		return 2
+		return exitConfig
 	}
 	logger := newLogger(cfg)
 	slog.SetDefault(logger)
@@ -78,8 +89,14 @@ func run() int {
 	if cfg.RoutesFile != "" {
 		if routes, err = route.Load(cfg.RoutesFile); err != nil {
 			logger.Error("cannot start: bad routes (OUTBOX_ROUTES_FILE)", slog.String("error", err.Error()))
-			return 1
+			return exitConfig
 		}
+	}
+	// A connection string that does not parse is bad configuration, not a
+	// database that is down: refuse it before the retries of dbconn.Open.
+	if _, err := pgxpool.ParseConfig(cfg.DatabaseURL); err != nil {
+		logger.Error("cannot start: DATABASE_URL is not a valid connection string", slog.String("error", dbconn.Redact(err.Error(), cfg.DatabaseURL)))
+		return exitConfig
 	}
 
 	pool, err := dbconn.Open(ctx, cfg.DatabaseURL, dbconn.Options{
@@ -95,6 +112,12 @@ func run() int {
 		return 1
 	}
 	defer pool.Close()
+	// Every mode needs the outbox's and River's tables: say so at once
+	// instead of failing later on a raw relation error.
+	if err := schemacheck.Check(ctx, pool); err != nil {
+		logger.Error("cannot start", slog.String("error", dbconn.Redact(err.Error(), cfg.DatabaseURL)))
+		return exitFailure
+	}
 
 	// Alerts: Sentry when SENTRY_DSN is set (every alert is logged too),
 	// the log otherwise; counted by the metrics on the way.
@@ -114,7 +137,7 @@ func run() int {
 		})
 		if err != nil {
 			logger.Error("cannot start: SENTRY_DSN", slog.String("error", err.Error()))
-			return 1
+			return exitConfig
 		}
 		base = sentryAl
 		defer sentryAl.Flush(5 * time.Second)
@@ -139,7 +162,7 @@ func run() int {
 	}
 
 	if cfg.HTTPAddr != "" {
-		stopHTTP, err := startHTTP(cfg.HTTPAddr, newHTTPHandler(reg, health{pool: pool, d: d, dbURL: cfg.DatabaseURL}), logger)
+		stopHTTP, err := startHTTP(cfg.HTTPAddr, newHTTPHandler(reg, health{pool: pool, d: d, dbURL: cfg.DatabaseURL, logger: logger}), logger)
 		if err != nil {
 			logger.Error("cannot start the HTTP listener", slog.String("error", err.Error()))
 			return 1
@@ -218,7 +241,16 @@ func run() int {
 	if err := workers.stop(sctx); err != nil {
 		logger.Warn("River workers did not stop cleanly", slog.String("error", err.Error()))
 	}
-	logger.Info("outboxd stopped", slog.Int64("events", s.Events), slog.Int64("jobs", s.Jobs), slog.Int64("batches", s.Batches))
+	// What this process did: the dispatcher's figures only when it ran, the
+	// jobs its workers ran (by outcome) only when it works queues.
+	var done []any
+	if d != nil {
+		done = append(done, slog.Int64("events", s.Events), slog.Int64("jobs", s.Jobs), slog.Int64("batches", s.Batches))
+	}
+	if workers != nil {
+		done = append(done, workers.counts.attrs()...)
+	}
+	logger.Info("outboxd stopped", done...)
 	return 0
 }
 

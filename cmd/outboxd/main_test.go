@@ -106,12 +106,49 @@ func TestBadRoutesFileStopsAtStartup(t *testing.T) {
 		t.Fatal(err)
 	}
 	cmd, out := daemon(t, "OUTBOX_DISPATCHER_ENABLED=true", "OUTBOX_ROUTES_FILE="+routes, "DATABASE_URL="+pgtest.URL())
-	if code := waitExit(t, cmd, 30*time.Second); code != 1 {
-		t.Fatalf("exit %d, want 1", code)
+	if code := waitExit(t, cmd, 30*time.Second); code != 2 {
+		t.Fatalf("exit %d, want 2 (bad configuration, as for a bad environment variable)", code)
 	}
 	for _, want := range []string{"line 2", `try \"outbox_mail\"`} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("output lacks %q:\n%s", want, out.String())
+		}
+	}
+}
+
+// TestUnparsableDatabaseURLExits2: a connection string that does not parse
+// is bad configuration (exit 2, at once), not a database to wait for.
+func TestUnparsableDatabaseURLExits2(t *testing.T) {
+	t.Parallel()
+	routes, _ := filepath.Abs("../../docs/examples/routes.yaml")
+	cmd, out := daemon(t, "OUTBOX_DISPATCHER_ENABLED=true", "OUTBOX_ROUTES_FILE="+routes,
+		"DATABASE_URL=postgres://postgres:s3cret@127.0.0.1:notaport/x")
+	if code := waitExit(t, cmd, 30*time.Second); code != 2 {
+		t.Fatalf("exit %d, want 2:\n%s", code, out.String())
+	}
+	if !strings.Contains(out.String(), "DATABASE_URL is not a valid connection string") || strings.Contains(out.String(), "s3cret") {
+		t.Fatalf("output:\n%s", out.String())
+	}
+}
+
+// TestStartBeforeMigrateSaysSo: outboxd, worker-only or with the
+// dispatcher, on a schema that `outboxctl migrate` has not prepared stops
+// at once with exit 1 and says what to run.
+func TestStartBeforeMigrateSaysSo(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, &pgtest.Options{NoMigrate: true})
+	routes, _ := filepath.Abs("../../docs/examples/routes.yaml")
+	want := "the outbox schema is missing in " + s.Name + ": run `outboxctl migrate` first"
+	for name, env := range map[string][]string{
+		"worker-only": {"OUTBOX_WORKER_QUEUES=outbox_mail", "OUTBOX_WORKER_HANDLER=log"},
+		"dispatcher":  {"OUTBOX_DISPATCHER_ENABLED=true", "OUTBOX_ROUTES_FILE=" + routes},
+	} {
+		cmd, out := daemon(t, append(env, "DATABASE_URL="+s.URL)...)
+		if code := waitExit(t, cmd, 60*time.Second); code != 1 {
+			t.Errorf("%s: exit %d, want 1:\n%s", name, code, out.String())
+		}
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("%s: output lacks %q:\n%s", name, want, out.String())
 		}
 	}
 }
@@ -184,6 +221,10 @@ func TestDispatchesAndStopsCleanly(t *testing.T) {
 	}
 	if !strings.Contains(out.String(), `"msg":"outboxd stopped"`) {
 		t.Fatalf("no clean stop logged:\n%s", out.String())
+	}
+	// A dispatcher without workers reports dispatcher figures only.
+	if !strings.Contains(out.String(), `"events":1,"jobs":1,"batches":`) || strings.Contains(out.String(), "jobs_worked") {
+		t.Fatalf("shutdown figures:\n%s", out.String())
 	}
 }
 

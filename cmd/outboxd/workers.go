@@ -6,12 +6,14 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+	"github.com/riverqueue/river/rivertype"
 
 	"github.com/outboxhq/outbox/alert"
 	"github.com/outboxhq/outbox/internal/config"
@@ -31,6 +33,56 @@ type workerGroup struct {
 	name   string
 	client *river.Client[pgx.Tx]
 	logger *slog.Logger
+	counts *jobCounts
+}
+
+// jobCounts are the jobs this process's workers ran, by outcome: what a
+// worker-only outboxd reports at shutdown.
+type jobCounts struct {
+	completed, failed, cancelled, snoozed atomic.Int64
+}
+
+func (c *jobCounts) record(err error) {
+	var (
+		cancel *rivertype.JobCancelError
+		snooze *rivertype.JobSnoozeError
+	)
+	switch {
+	case err == nil:
+		c.completed.Add(1)
+	case errors.As(err, &snooze):
+		c.snoozed.Add(1)
+	case errors.As(err, &cancel):
+		c.cancelled.Add(1)
+	default:
+		c.failed.Add(1)
+	}
+}
+
+// attrs are the shutdown log's fields.
+func (c *jobCounts) attrs() []any {
+	completed, failed, cancelled, snoozed := c.completed.Load(), c.failed.Load(), c.cancelled.Load(), c.snoozed.Load()
+	return []any{
+		slog.Int64("jobs_worked", completed+failed+cancelled+snoozed),
+		slog.Int64("jobs_completed", completed),
+		slog.Int64("jobs_failed", failed),
+		slog.Int64("jobs_cancelled", cancelled),
+		slog.Int64("jobs_snoozed", snoozed),
+	}
+}
+
+// countingWorker is the outbox worker, counting each job's outcome
+// (failed: River retries the job, or discards it after its last attempt).
+type countingWorker struct {
+	*outboxriver.Worker
+	counts *jobCounts
+}
+
+// Work implements river.Worker.
+func (w countingWorker) Work(ctx context.Context, job *river.Job[outboxriver.EventArgs]) error {
+	err := w.Worker.Work(ctx, job)
+	w.counts.record(err)
+	return err
 }
 
 // workersConfigured reports whether this process works any queue.
@@ -84,7 +136,9 @@ func startWorkers(ctx context.Context, pool *pgxpool.Pool, cfg *config.Config, r
 	handlers := outboxriver.NewHandlers()
 	handlers.Handle("", logHandler(logger))
 	workers := river.NewWorkers()
-	if err := river.AddWorkerSafely(workers, outboxriver.NewWorker(handlers, outboxriver.WorkerOptions{Alerter: alerter, Logger: logger})); err != nil {
+	counts := &jobCounts{}
+	w := countingWorker{Worker: outboxriver.NewWorker(handlers, outboxriver.WorkerOptions{Alerter: alerter, Logger: logger}), counts: counts}
+	if err := river.AddWorkerSafely[outboxriver.EventArgs](workers, w); err != nil {
 		return nil, err
 	}
 	rcfg := outboxriver.QueuesConfig(workers, group.Queues, cfg.WorkerLatency())
@@ -107,7 +161,7 @@ func startWorkers(ctx context.Context, pool *pgxpool.Pool, cfg *config.Config, r
 	}
 	logger.Info("River workers started", slog.String("queues", strings.Join(qs, ",")),
 		slog.String("handler", cfg.WorkerHandler), slog.String("client_id", rcfg.ID))
-	return &workerGroup{name: group.Name, client: client, logger: logger}, nil
+	return &workerGroup{name: group.Name, client: client, logger: logger, counts: counts}, nil
 }
 
 // checkQueues warns about queues that routes and groups disagree on.

@@ -12,10 +12,13 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
+	"fmt"
 	"os"
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -23,6 +26,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/internal/dbconn"
 	outboxsql "github.com/outboxhq/outbox/sql"
 )
 
@@ -57,7 +61,9 @@ func Admin(tb testing.TB) *pgxpool.Pool {
 		if adminErr == nil {
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
-			adminErr = adminPool.Ping(ctx)
+			if adminErr = adminPool.Ping(ctx); adminErr == nil {
+				Sweep(ctx, adminPool)
+			}
 		}
 	})
 	if adminErr != nil {
@@ -66,13 +72,57 @@ func Admin(tb testing.TB) *pgxpool.Pool {
 	return adminPool
 }
 
-// Redact hides the password of a connection string.
+// Redact hides the password of a connection string, in every form
+// dbconn.Redact knows (the one implementation outboxd and outboxctl use).
 func Redact(url string) string {
-	cfg, err := pgx.ParseConfig(url)
-	if err != nil || cfg.Password == "" {
-		return url
+	return dbconn.Redact(url, url)
+}
+
+// ownerPrefix starts the comment that marks a pgtest schema.
+const ownerPrefix = "pgtest host="
+
+// owner is the comment of this process's schemas: host and pid.
+func owner() string {
+	host, _ := os.Hostname()
+	return fmt.Sprintf("%s%s pid=%d", ownerPrefix, strings.ReplaceAll(host, "'", ""), os.Getpid())
+}
+
+// Sweep drops the schemas that test processes on this host left behind
+// when they died before their cleanup (killed, or stopped by go test's
+// -timeout): t_* schemas marked by pgtest on this host whose process no
+// longer runs. Admin calls it once per test process; schemas of other hosts
+// and of running processes are left alone.
+func Sweep(ctx context.Context, admin *pgxpool.Pool) {
+	host, _ := os.Hostname()
+	rows, err := admin.Query(ctx, `
+		SELECT n.nspname, obj_description(n.oid, 'pg_namespace') FROM pg_namespace n
+		WHERE n.nspname LIKE 't\_%' AND obj_description(n.oid, 'pg_namespace') LIKE $1 || '%'`,
+		ownerPrefix+strings.ReplaceAll(host, "'", "")+" pid=")
+	if err != nil {
+		return
 	}
-	return strings.ReplaceAll(url, cfg.Password, "xxxxx")
+	type schema struct{ name, comment string }
+	list, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (schema, error) {
+		var s schema
+		return s, r.Scan(&s.name, &s.comment)
+	})
+	if err != nil {
+		return
+	}
+	for _, s := range list {
+		_, pidText, _ := strings.Cut(s.comment, " pid=")
+		pid, err := strconv.Atoi(pidText)
+		if err != nil || pid <= 0 || processRuns(pid) {
+			continue
+		}
+		_, _ = admin.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{s.name}.Sanitize()+" CASCADE")
+	}
+}
+
+// processRuns reports whether a process with this pid runs on this host.
+func processRuns(pid int) bool {
+	err := syscall.Kill(pid, 0)
+	return err == nil || errors.Is(err, syscall.EPERM)
 }
 
 // Schema is one test's isolated, migrated schema.
@@ -121,9 +171,39 @@ func NewSchema(tb testing.TB, opts *Options) *Schema {
 	var b [6]byte
 	_, _ = rand.Read(b[:])
 	name := "t_" + hex.EncodeToString(b[:])
-	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+name); err != nil {
+	// The schema is marked with this process, so that a later run can drop
+	// it if this process dies before its cleanup (sweep).
+	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+name+"; COMMENT ON SCHEMA "+name+" IS '"+owner()+"'"); err != nil {
 		tb.Fatalf("pgtest: create schema: %v", err)
 	}
+	var pool *pgxpool.Pool
+	// Registered at once, so the schema is dropped however the test ends,
+	// even when the rest of NewSchema fails.
+	tb.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		// Terminate the schema's sessions first (a subprocess, a listener,
+		// or a goroutine of a failed test blocked on a lock): pool.Close
+		// waits for every acquired connection and would hang on them.
+		_, _ = admin.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+			WHERE pid <> pg_backend_pid() AND datname = current_database()
+			AND application_name = $1`, name)
+		if pool != nil {
+			closed := make(chan struct{})
+			go func() {
+				defer close(closed)
+				pool.Close()
+			}()
+			select {
+			case <-closed:
+			case <-ctx.Done():
+				tb.Logf("pgtest: pool of %s did not close: a connection is still held", name)
+			}
+		}
+		if _, err := admin.Exec(ctx, "DROP SCHEMA IF EXISTS "+name+" CASCADE"); err != nil {
+			tb.Logf("pgtest: drop schema %s: %v", name, err)
+		}
+	})
 
 	url := WithSearchPath(URL(), name)
 	cfg, err := pgxpool.ParseConfig(url)
@@ -134,33 +214,9 @@ func NewSchema(tb testing.TB, opts *Options) *Schema {
 	if cfg.MaxConns == 0 {
 		cfg.MaxConns = 10
 	}
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
+	if pool, err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
 		tb.Fatalf("pgtest: %v", err)
 	}
-	tb.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-		defer cancel()
-		// Terminate the schema's sessions first (a subprocess, a listener,
-		// or a goroutine of a failed test blocked on a lock): pool.Close
-		// waits for every acquired connection and would hang on them.
-		_, _ = admin.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-			WHERE pid <> pg_backend_pid() AND datname = current_database()
-			AND application_name = $1`, name)
-		closed := make(chan struct{})
-		go func() {
-			defer close(closed)
-			pool.Close()
-		}()
-		select {
-		case <-closed:
-		case <-ctx.Done():
-			tb.Logf("pgtest: pool of %s did not close: a connection is still held", name)
-		}
-		if _, err := admin.Exec(ctx, "DROP SCHEMA "+name+" CASCADE"); err != nil {
-			tb.Logf("pgtest: drop schema %s: %v", name, err)
-		}
-	})
 	if !opts.NoMigrate {
 		if _, err := outboxsql.Migrate(ctx, pool, nil); err != nil {
 			tb.Fatalf("pgtest: migrate %s: %v", name, err)

@@ -1,0 +1,84 @@
+// Package schemacheck tells "the outbox schema is missing" from other
+// database errors, so that outboxctl and outboxd say "run `outboxctl
+// migrate` first" instead of printing a raw relation error.
+package schemacheck
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Querier is what the checks need of a pool, a connection or a transaction.
+type Querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// MissingError says that the outbox's (or River's) tables are not in Schema.
+type MissingError struct {
+	// Schema is where the connection looks (current_schema(), or the
+	// search_path when none of its schemas exists).
+	Schema string
+	// Err is the database error that revealed it, if any.
+	Err error
+}
+
+func (e *MissingError) Error() string {
+	return fmt.Sprintf("the outbox schema is missing in %s: run `outboxctl migrate` first", e.Schema)
+}
+
+func (e *MissingError) Unwrap() error { return e.Err }
+
+// Undefined reports whether err is an undefined_table (42P01),
+// undefined_function (42883) or undefined_object (42704, a missing enum
+// type) error about one of the outbox's or River's objects.
+func Undefined(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return false
+	}
+	switch pgErr.Code {
+	case "42P01", "42883", "42704":
+	default:
+		return false
+	}
+	return strings.Contains(pgErr.Message, "outbox_") || strings.Contains(pgErr.Message, "river_")
+}
+
+// schemaSQL names where the connection looks for unqualified tables.
+const schemaSQL = `SELECT coalesce(current_schema(), 'search_path ' || current_setting('search_path'))`
+
+// Explain returns a *MissingError when err is an Undefined error, else err
+// unchanged. q reads the schema name for the message.
+func Explain(ctx context.Context, q Querier, err error) error {
+	if !Undefined(err) {
+		return err
+	}
+	return &MissingError{Schema: schemaName(ctx, q), Err: err}
+}
+
+// Check returns a *MissingError when outbox_event or River's river_job is
+// not visible on q's search_path, nil when both are, or the query's error.
+func Check(ctx context.Context, q Querier) error {
+	var outbox, river bool
+	err := q.QueryRow(ctx, `SELECT to_regclass('outbox_event') IS NOT NULL, to_regclass('river_job') IS NOT NULL`).Scan(&outbox, &river)
+	if err != nil {
+		return fmt.Errorf("look for the outbox schema: %w", err)
+	}
+	if outbox && river {
+		return nil
+	}
+	return &MissingError{Schema: schemaName(ctx, q)}
+}
+
+func schemaName(ctx context.Context, q Querier) string {
+	var s string
+	if q == nil || q.QueryRow(ctx, schemaSQL).Scan(&s) != nil {
+		return "the connection's search_path"
+	}
+	return s
+}
