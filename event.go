@@ -11,6 +11,8 @@ import (
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/outboxhq/outbox/internal/jsonlimit"
 )
 
 // Limits enforced by Publish, PublishMany, outbox_publish and the table's
@@ -27,6 +29,13 @@ const (
 	MaxDispatchKeyBytes = 256
 	// MaxPublishMany is the most events one PublishMany call takes.
 	MaxPublishMany = 10000
+	// MaxPayloadDepth is the deepest nesting of objects and arrays a payload
+	// may have ({} and [] are depth 1). encoding/json refuses documents
+	// nested deeper than 10,000 levels and the River job args that carry a
+	// payload add one level, so this bound keeps every handed-off payload
+	// decodable by any worker. The table's trigger and outbox_publish
+	// enforce the same number.
+	MaxPayloadDepth = jsonlimit.MaxDepth
 )
 
 // typePattern is the event type rule: at least three dot-separated segments
@@ -41,8 +50,9 @@ type Event struct {
 	// dashes ("plugin.capability-use.granted"), at most 255 bytes. Routes
 	// match it by prefix.
 	Type string
-	// Payload is the event body: valid JSON, at most MaxPayloadBytes, with no
-	// \u0000 escapes (Postgres' jsonb cannot store them). Nil means {}.
+	// Payload is the event body: valid JSON, at most MaxPayloadBytes, nested
+	// at most MaxPayloadDepth levels, with no \u0000 escapes (Postgres' jsonb
+	// cannot store them). Nil means {}.
 	Payload json.RawMessage
 	// TenantID optionally names the tenant; empty means none. At most 128 bytes.
 	TenantID string
@@ -99,7 +109,8 @@ func ValidateType(t string) error {
 
 // ValidatePayload checks a payload: valid JSON in valid UTF-8, within
 // MaxPayloadBytes both as given and as Postgres prints the jsonb (numbers in
-// plain decimal, a space after every ':' and ','), and storable as jsonb: no
+// plain decimal, a space after every ':' and ','), nested at most
+// MaxPayloadDepth levels, and storable as jsonb: no
 // \u0000, no unpaired surrogate escape, no number outside numeric's range
 // (at most 131072 digits before the decimal point and 16383 after).
 // Whatever it accepts, the table stores, so a valid event never aborts the
@@ -110,6 +121,11 @@ func ValidatePayload(p json.RawMessage) error {
 	}
 	if !utf8.Valid(p) {
 		return errors.New("is not valid UTF-8")
+	}
+	// Before json.Valid, which refuses nesting past 10,000 levels as "not
+	// valid JSON" without naming the rule.
+	if jsonlimit.Exceeds(p, MaxPayloadDepth) {
+		return fmt.Errorf("is nested %d levels deep, the limit is %d", jsonlimit.Depth(p), MaxPayloadDepth)
 	}
 	if !json.Valid(p) {
 		return errors.New("is not valid JSON")
