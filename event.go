@@ -11,6 +11,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/outboxhq/outbox/internal/jsonlimit"
 )
@@ -400,7 +401,7 @@ func PublishMany(ctx context.Context, tx pgx.Tx, events []Event) ([]Published, e
 
 	rows, err := tx.Query(ctx, publishManySQL, types, payloads, tenants, keys)
 	if err != nil {
-		return nil, fmt.Errorf("outbox: publish: %w", err)
+		return nil, publishError(err)
 	}
 	out := make([]Published, len(events))
 	var missing []string
@@ -422,7 +423,7 @@ func PublishMany(ctx context.Context, tx pgx.Tx, events []Event) ([]Published, e
 		}
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("outbox: publish: %w", err)
+		return nil, publishError(err)
 	}
 	if len(missing) > 0 {
 		// Keys repeated inside the batch, or stored by a transaction that
@@ -453,6 +454,21 @@ func PublishMany(ctx context.Context, tx pgx.Tx, events []Event) ([]Published, e
 		}
 	}
 	return out, nil
+}
+
+// publishError wraps an error of the publishing statement. A serialization
+// failure gets a hint: under REPEATABLE READ or SERIALIZABLE, a dispatch key
+// stored by a transaction that committed after this transaction's snapshot
+// (or that was in flight and committed while the insert waited) cannot be
+// returned, because its row is invisible to the snapshot, and Postgres
+// raises 40001. The error still wraps the *pgconn.PgError, so retry loops
+// that look for 40001 work unchanged.
+func publishError(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "40001" { // serialization_failure
+		return fmt.Errorf("outbox: publish: a dispatch key of this batch was stored by a transaction that committed after this one's snapshot (REPEATABLE READ or SERIALIZABLE); retry the whole transaction, which then gets the stored event's id: %w", err)
+	}
+	return fmt.Errorf("outbox: publish: %w", err)
 }
 
 // ValidateEvent checks one event as Publish would, without writing. It

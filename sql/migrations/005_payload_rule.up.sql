@@ -63,6 +63,20 @@ CREATE TRIGGER outbox_event_payload_rule
     FOR EACH ROW EXECUTE FUNCTION outbox_event_payload_rule();
 
 -- outbox_publish applies the same rule (and so names it before the INSERT).
+--
+-- Duplicate dispatch keys and isolation levels. The duplicate gets the
+-- first event's id when that event is visible to the caller: committed
+-- before the caller's snapshot (any isolation level), written earlier in the
+-- same transaction, or, under READ COMMITTED, committed while this INSERT
+-- waited for it (the lookup after the INSERT is a new statement with a new
+-- snapshot). Under REPEATABLE READ and SERIALIZABLE, a first event that
+-- commits after the caller's snapshot was taken (before or while this
+-- INSERT runs) is invisible to the caller for the rest of its transaction:
+-- ON CONFLICT raises 40001 (serialization_failure), and no function can
+-- return an id its caller's snapshot cannot see. Retry the transaction: the
+-- retry sees the first event and gets its id. The error is not caught here
+-- on purpose: catching it needs a subtransaction on every call, and the
+-- caller's retry loop must see 40001 to retry.
 CREATE OR REPLACE FUNCTION outbox_publish(
     event_type   text,
     payload      jsonb,
@@ -112,3 +126,60 @@ BEGIN
     RETURN event_id;
 END
 $$;
+
+-- outbox_publish with the payload as text, so that the function, not the
+-- cast to jsonb, refuses a bad payload and names it: malformed JSON, a
+-- \u0000 escape, an unpaired surrogate escape, a number outside numeric's
+-- range or nesting too deep to parse each raise 22023 naming "payload" and
+-- the rule (the cast's error is caught inside the function and re-raised, so
+-- the caller's transaction sees that one error and nothing else). Then it
+-- calls the jsonb version, which applies every other rule.
+--
+-- Which overload runs: a call with an untyped string literal
+-- (outbox_publish('a.b.c', '{"a": 1}')), with NULL, or with a parameter of
+-- unspecified type ($2 from a driver) resolves to this text version,
+-- because Postgres prefers the string category for an unknown argument; a
+-- payload typed jsonb ('{}'::jsonb, a jsonb column, jsonb_build_object)
+-- resolves to the jsonb version. Named arguments resolve the same way.
+--
+-- A raw NUL byte never reaches this function: Postgres text cannot hold it,
+-- and the server refuses the parameter or query text itself with 22021
+-- (invalid byte sequence for encoding "UTF8": 0x00), before any function
+-- runs, and without naming the field. Invalid UTF-8 fails the same way.
+CREATE FUNCTION outbox_publish(
+    event_type   text,
+    payload      text,
+    tenant_id    text DEFAULT NULL,
+    dispatch_key text DEFAULT NULL
+) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    body   jsonb;
+    detail text;
+BEGIN
+    BEGIN
+        body := payload::jsonb;
+    EXCEPTION
+        WHEN untranslatable_character THEN
+            RAISE EXCEPTION 'outbox_publish: payload contains \u0000, which Postgres'' jsonb cannot store'
+                USING ERRCODE = '22023', HINT = 'remove the NUL character, or encode binary data (base64)';
+        WHEN invalid_text_representation THEN
+            GET STACKED DIAGNOSTICS detail = PG_EXCEPTION_DETAIL;
+            IF detail ILIKE '%surrogate%' THEN
+                RAISE EXCEPTION 'outbox_publish: payload has an unpaired surrogate escape, which Postgres'' jsonb cannot store (%)', detail
+                    USING ERRCODE = '22023';
+            END IF;
+            RAISE EXCEPTION 'outbox_publish: payload is not valid JSON (%)', coalesce(detail, SQLERRM)
+                USING ERRCODE = '22023';
+        WHEN numeric_value_out_of_range THEN
+            RAISE EXCEPTION 'outbox_publish: payload has a number outside the range of Postgres'' numeric'
+                USING ERRCODE = '22023';
+        WHEN statement_too_complex THEN
+            RAISE EXCEPTION 'outbox_publish: payload is nested too deep to parse, the limit is 1000'
+                USING ERRCODE = '22023';
+    END;
+    RETURN outbox_publish(event_type, body, tenant_id, dispatch_key);
+END
+$$;
+
+GRANT EXECUTE ON FUNCTION outbox_publish(text, text, text, text) TO outbox_producer, outbox_operator;
