@@ -58,8 +58,10 @@ type Event struct {
 	// TenantID optionally names the tenant; empty means none. At most 128 bytes.
 	TenantID string
 	// DispatchKey is an optional idempotency key of the producer (for example
-	// "stripe:evt_123"). A second event with a key already stored is not
-	// written: Publish returns the first event's id and Duplicate = true.
+	// "stripe:evt_123"), unique per tenant: a second event of the same
+	// tenant (or, without a tenant, of the events without one) with a key
+	// already stored is not written: Publish returns the first event's id
+	// and Duplicate = true. Another tenant's key never suppresses an event.
 	// Empty means none. At most 256 bytes. Deleting a done row (retention)
 	// releases its key.
 	DispatchKey string
@@ -351,16 +353,21 @@ ins AS (
     INSERT INTO outbox_event (id, event_type, payload, tenant_id, dispatch_key)
     OVERRIDING SYSTEM VALUE
     SELECT id, event_type, payload, tenant_id, dispatch_key FROM input ORDER BY ord
-    ON CONFLICT (dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
+    ON CONFLICT DO NOTHING
     RETURNING id
 )
 SELECT input.ord, ins.id IS NULL AS duplicate,
-       COALESCE(ins.id, (SELECT e.id FROM outbox_event e WHERE e.dispatch_key = input.dispatch_key), 0)
+       COALESCE(ins.id, (SELECT e.id FROM outbox_event e
+                         WHERE COALESCE(e.tenant_id, '') = COALESCE(input.tenant_id, '')
+                           AND e.dispatch_key = input.dispatch_key), 0)
 FROM input
 LEFT JOIN ins ON ins.id = input.id
 ORDER BY input.ord`
 
-const lookupKeysSQL = `SELECT dispatch_key, id FROM outbox_event WHERE dispatch_key = ANY($1::text[])`
+const lookupKeysSQL = `
+SELECT t.i, e.id
+FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS t(tenant_id, dispatch_key, i)
+JOIN outbox_event e ON COALESCE(e.tenant_id, '') = COALESCE(t.tenant_id, '') AND e.dispatch_key = t.dispatch_key`
 
 // PublishMany writes a batch of events in the caller's transaction in one
 // round trip and returns one result per event, in order. All events are
@@ -404,7 +411,7 @@ func PublishMany(ctx context.Context, tx pgx.Tx, events []Event) ([]Published, e
 		return nil, publishError(err)
 	}
 	out := make([]Published, len(events))
-	var missing []string
+	var missingTenants, missingKeys []*string
 	var missingAt []int
 	for rows.Next() {
 		var (
@@ -418,35 +425,35 @@ func PublishMany(ctx context.Context, tx pgx.Tx, events []Event) ([]Published, e
 		i := int(ord - 1)
 		out[i] = p
 		if p.ID == 0 {
-			missing = append(missing, events[i].DispatchKey)
+			missingTenants = append(missingTenants, tenants[i])
+			missingKeys = append(missingKeys, keys[i])
 			missingAt = append(missingAt, i)
 		}
 	}
 	if err := rows.Err(); err != nil {
 		return nil, publishError(err)
 	}
-	if len(missing) > 0 {
+	if len(missingAt) > 0 {
 		// Keys repeated inside the batch, or stored by a transaction that
 		// committed while the insert waited: visible to a new statement.
-		rows, err := tx.Query(ctx, lookupKeysSQL, missing)
+		rows, err := tx.Query(ctx, lookupKeysSQL, missingTenants, missingKeys)
 		if err != nil {
 			return nil, fmt.Errorf("outbox: publish: look up duplicate keys: %w", err)
 		}
-		byKey := map[string]int64{}
+		found := make(map[int]int64, len(missingAt))
 		for rows.Next() {
-			var k string
-			var id int64
-			if err := rows.Scan(&k, &id); err != nil {
+			var i, id int64
+			if err := rows.Scan(&i, &id); err != nil {
 				rows.Close()
 				return nil, fmt.Errorf("outbox: publish: %w", err)
 			}
-			byKey[k] = id
+			found[int(i-1)] = id
 		}
 		if err := rows.Err(); err != nil {
 			return nil, fmt.Errorf("outbox: publish: %w", err)
 		}
-		for _, i := range missingAt {
-			id, ok := byKey[events[i].DispatchKey]
+		for j, i := range missingAt {
+			id, ok := found[j]
 			if !ok {
 				return nil, fmt.Errorf("outbox: publish: event %d: dispatch key %q conflicted but its event is not visible", i, events[i].DispatchKey)
 			}

@@ -352,7 +352,7 @@ func TestSQLPublish(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := tx.QueryRow(ctx, `SELECT outbox_publish('mail.user.welcome', '{}', NULL, 'welcome:1')`).Scan(&id2); err != nil {
+	if err := tx.QueryRow(ctx, `SELECT outbox_publish('mail.user.welcome', '{}', 't1', 'welcome:1')`).Scan(&id2); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := tx.Exec(ctx, `SELECT outbox_publish('mail.user.other', '{}')`); err != nil {

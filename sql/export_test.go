@@ -1,0 +1,7 @@
+package outboxsql
+
+// MigrateTo and SplitStatements are for tests only.
+var (
+	MigrateTo       = migrateTo
+	SplitStatements = splitStatements
+)
