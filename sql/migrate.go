@@ -24,6 +24,10 @@ import (
 var migrationFS embed.FS
 
 // Migration is one numbered outbox migration.
+//
+// A no-transaction migration may still group statements that must change
+// together between its own BEGIN; and COMMIT; lines: they run one by one on
+// the migrator's session, which makes them one transaction.
 type Migration struct {
 	Version int
 	Name    string
@@ -247,6 +251,11 @@ func applyNoTransaction(ctx context.Context, conn *pgx.Conn, m Migration) error 
 			}
 		}
 		if _, err := conn.Exec(ctx, stmt); err != nil {
+			if conn.PgConn().TxStatus() != 'I' {
+				// A failed statement between the migration's own BEGIN and
+				// COMMIT: leave the session clean for the lock's release.
+				_, _ = conn.Exec(context.WithoutCancel(ctx), `ROLLBACK`)
+			}
 			return fmt.Errorf("%w (statement: %s)", err, firstLine(stmt))
 		}
 	}
