@@ -1,7 +1,9 @@
 package outboxsql
 
-// MigrateTo and SplitStatements are for tests only.
+// For tests only.
 var (
 	MigrateTo       = migrateTo
 	SplitStatements = splitStatements
 )
+
+func DropConcurrently(stmt string) string { return concurrently.ReplaceAllString(stmt, "$1") }

@@ -204,7 +204,11 @@ func migrateTo(ctx context.Context, pool *pgxpool.Pool, logger *slog.Logger, tar
 		}
 		var err error
 		if m.NoTransaction {
-			err = applyNoTransaction(ctx, conn.Conn(), m)
+			// A schema created by this run has an empty outbox_event: its
+			// indexes are built without CONCURRENTLY, which would wait for
+			// every older transaction in the whole database.
+			fresh := len(res.OutboxApplied) > 0 && res.OutboxApplied[0] == 1
+			err = applyNoTransaction(ctx, conn.Conn(), m, fresh)
 		} else {
 			err = pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
 				if _, err := tx.Exec(ctx, m.SQL); err != nil {
@@ -230,12 +234,23 @@ const recordMigration = `INSERT INTO outbox_schema_migration (version, name) VAL
 // captures the index name.
 var concurrentIndex = regexp.MustCompile(`(?is)^\s*CREATE\s+(?:UNIQUE\s+)?INDEX\s+CONCURRENTLY\s+IF\s+NOT\s+EXISTS\s+([a-z_][a-z0-9_]*)\s`)
 
+// concurrently matches the CONCURRENTLY of a CREATE or DROP INDEX.
+var concurrently = regexp.MustCompile(`(?is)^(\s*(?:CREATE\s+(?:UNIQUE\s+)?INDEX|DROP\s+INDEX))\s+CONCURRENTLY\b`)
+
 // applyNoTransaction runs a no-transaction migration statement by statement
 // and records it. An interrupted CREATE INDEX CONCURRENTLY leaves an INVALID
 // index behind, which IF NOT EXISTS would then take for done: such an index
 // is dropped (concurrently) and built again.
-func applyNoTransaction(ctx context.Context, conn *pgx.Conn, m Migration) error {
+//
+// With fresh set (the table was created by this run and is empty), index
+// builds and drops run without CONCURRENTLY: they take their table lock for
+// an instant, where a concurrent build waits for every transaction in the
+// database that is older than it, whatever it touches.
+func applyNoTransaction(ctx context.Context, conn *pgx.Conn, m Migration, fresh bool) error {
 	for _, stmt := range splitStatements(m.SQL) {
+		if fresh {
+			stmt = concurrently.ReplaceAllString(stmt, "$1")
+		}
 		if sub := concurrentIndex.FindStringSubmatch(stmt); sub != nil {
 			var invalid bool
 			err := conn.QueryRow(ctx, `SELECT EXISTS (

@@ -180,3 +180,17 @@ func TestMigrateRecoversInterruptedConcurrentIndex(t *testing.T) {
 		t.Fatal("no id")
 	}
 }
+
+func TestConcurrentlyIsDroppedOnlyFromIndexStatements(t *testing.T) {
+	t.Parallel()
+	for in, want := range map[string]string{
+		"CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS a ON t (x)": "CREATE UNIQUE INDEX IF NOT EXISTS a ON t (x)",
+		"create index concurrently b on t (x)":                      "create index b on t (x)",
+		"DROP INDEX CONCURRENTLY IF EXISTS a":                       "DROP INDEX IF EXISTS a",
+		"SELECT 'CREATE INDEX CONCURRENTLY'":                        "SELECT 'CREATE INDEX CONCURRENTLY'",
+	} {
+		if got := outboxsql.DropConcurrently(in); got != want {
+			t.Errorf("%q -> %q, want %q", in, got, want)
+		}
+	}
+}

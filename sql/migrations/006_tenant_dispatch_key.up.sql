@@ -12,7 +12,10 @@
 -- CONCURRENTLY (no lock that blocks producers or the dispatcher), the
 -- publish functions switch to it, and only then is the old index dropped,
 -- CONCURRENTLY too. Every statement is idempotent, and the migrator drops an
--- INVALID index left by an interrupted build before building it again.
+-- INVALID index left by an interrupted build before building it again. On a
+-- fresh install (the table created by the same run, so empty) the migrator
+-- leaves CONCURRENTLY out: a concurrent build waits for every older
+-- transaction in the database, whatever table it works on.
 --
 -- While both indexes exist, a key that another tenant holds conflicts on the
 -- old index. The functions use ON CONFLICT DO NOTHING without a target, so
