@@ -183,3 +183,28 @@ func TestPayloadRuleGoAndSQLAgree(t *testing.T) {
 		}
 	}
 }
+
+// TestStoredDeepRowCanStillBeUpdated: the rule is a trigger on INSERT and
+// on UPDATE OF payload, not a CHECK, so a row stored before the rule (here:
+// with triggers off) can still be marked failed by the dispatcher,
+// while rewriting its payload is held to the rule.
+func TestStoredDeepRowCanStillBeUpdated(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 2})
+	ctx := pgtest.Context(t, 60*time.Second)
+	var id int64
+	if err := pgx.BeginFunc(ctx, s.Pool, func(tx pgx.Tx) error {
+		// Replica mode skips ordinary triggers (superuser only).
+		if _, err := tx.Exec(ctx, `SET LOCAL session_replication_role = replica`); err != nil {
+			return err
+		}
+		return tx.QueryRow(ctx, `INSERT INTO outbox_event (event_type, payload) VALUES ('a.b.c', $1::text::jsonb) RETURNING id`, nestedArrays(10001)).Scan(&id)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET status = 'failed', last_error = 'payload too deep' WHERE id = $1`, id); err != nil {
+		t.Fatalf("marking a stored deep row failed: %v", err)
+	}
+	_, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET payload = payload WHERE id = $1`, id)
+	wantRefused(t, "UPDATE OF payload", err, "the limit is 1000")
+}
