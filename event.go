@@ -11,6 +11,9 @@ import (
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/outboxhq/outbox/internal/jsonlimit"
 )
 
 // Limits enforced by Publish, PublishMany, outbox_publish and the table's
@@ -27,6 +30,13 @@ const (
 	MaxDispatchKeyBytes = 256
 	// MaxPublishMany is the most events one PublishMany call takes.
 	MaxPublishMany = 10000
+	// MaxPayloadDepth is the deepest nesting of objects and arrays a payload
+	// may have ({} and [] are depth 1). encoding/json refuses documents
+	// nested deeper than 10,000 levels and the River job args that carry a
+	// payload add one level, so this bound keeps every handed-off payload
+	// decodable by any worker. The table's trigger and outbox_publish
+	// enforce the same number.
+	MaxPayloadDepth = jsonlimit.MaxDepth
 )
 
 // typePattern is the event type rule: at least three dot-separated segments
@@ -41,14 +51,17 @@ type Event struct {
 	// dashes ("plugin.capability-use.granted"), at most 255 bytes. Routes
 	// match it by prefix.
 	Type string
-	// Payload is the event body: valid JSON, at most MaxPayloadBytes, with no
-	// \u0000 escapes (Postgres' jsonb cannot store them). Nil means {}.
+	// Payload is the event body: valid JSON, at most MaxPayloadBytes, nested
+	// at most MaxPayloadDepth levels, with no \u0000 escapes (Postgres' jsonb
+	// cannot store them). Nil means {}.
 	Payload json.RawMessage
 	// TenantID optionally names the tenant; empty means none. At most 128 bytes.
 	TenantID string
 	// DispatchKey is an optional idempotency key of the producer (for example
-	// "stripe:evt_123"). A second event with a key already stored is not
-	// written: Publish returns the first event's id and Duplicate = true.
+	// "stripe:evt_123"), unique per tenant: a second event of the same
+	// tenant (or, without a tenant, of the events without one) with a key
+	// already stored is not written: Publish returns the first event's id
+	// and Duplicate = true. Another tenant's key never suppresses an event.
 	// Empty means none. At most 256 bytes. Deleting a done row (retention)
 	// releases its key.
 	DispatchKey string
@@ -99,7 +112,8 @@ func ValidateType(t string) error {
 
 // ValidatePayload checks a payload: valid JSON in valid UTF-8, within
 // MaxPayloadBytes both as given and as Postgres prints the jsonb (numbers in
-// plain decimal, a space after every ':' and ','), and storable as jsonb: no
+// plain decimal, a space after every ':' and ','), nested at most
+// MaxPayloadDepth levels, and storable as jsonb: no
 // \u0000, no unpaired surrogate escape, no number outside numeric's range
 // (at most 131072 digits before the decimal point and 16383 after).
 // Whatever it accepts, the table stores, so a valid event never aborts the
@@ -110,6 +124,11 @@ func ValidatePayload(p json.RawMessage) error {
 	}
 	if !utf8.Valid(p) {
 		return errors.New("is not valid UTF-8")
+	}
+	// Before json.Valid, which refuses nesting past 10,000 levels as "not
+	// valid JSON" without naming the rule.
+	if jsonlimit.Exceeds(p, MaxPayloadDepth) {
+		return fmt.Errorf("is nested %d levels deep, the limit is %d", jsonlimit.Depth(p), MaxPayloadDepth)
 	}
 	if !json.Valid(p) {
 		return errors.New("is not valid JSON")
@@ -313,40 +332,17 @@ func Publish(ctx context.Context, tx pgx.Tx, event Event) (Published, error) {
 	return res[0], nil
 }
 
-// publishManySQL inserts a batch in one statement. Ids are drawn from the
-// identity sequence up front so that each input row keeps its id whether it
-// is inserted or skipped by ON CONFLICT; the outer SELECT then maps every
-// input position to its own id or to the stored event with the same key.
-// A key stored by a transaction that commits while this statement waits is
-// invisible to the statement's snapshot; PublishMany looks those up again.
-// The stored event is found by a scalar subquery, which COALESCE runs only
-// for duplicates and which always probes the unique index: as a LEFT JOIN,
-// the cached generic plan of this prepared statement turned into a hash
-// join over the whole table, and every publish grew slower with the table
-// (0.9 → 2.0 ms over 10,000 events).
-const publishManySQL = `
-WITH input AS (
-    SELECT nextval('outbox_event_id_seq') AS id, t.ord, t.event_type, t.payload, t.tenant_id, t.dispatch_key
-    FROM unnest($1::text[], $2::jsonb[], $3::text[], $4::text[]) WITH ORDINALITY
-         AS t(event_type, payload, tenant_id, dispatch_key, ord)
-),
-ins AS (
-    INSERT INTO outbox_event (id, event_type, payload, tenant_id, dispatch_key)
-    OVERRIDING SYSTEM VALUE
-    SELECT id, event_type, payload, tenant_id, dispatch_key FROM input ORDER BY ord
-    ON CONFLICT (dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
-    RETURNING id
-)
-SELECT input.ord, ins.id IS NULL AS duplicate,
-       COALESCE(ins.id, (SELECT e.id FROM outbox_event e WHERE e.dispatch_key = input.dispatch_key), 0)
-FROM input
-LEFT JOIN ins ON ins.id = input.id
-ORDER BY input.ord`
-
-const lookupKeysSQL = `SELECT dispatch_key, id FROM outbox_event WHERE dispatch_key = ANY($1::text[])`
+// publishManySQL publishes a batch through outbox_publish_many, which
+// validates it again (with the table's rules), inserts it, and maps every
+// input position to its own id or to the stored event with the same tenant
+// and key (see migration 006). The function runs as the owner of the
+// migrations, so a producer needs EXECUTE on it and nothing on the table:
+// it can neither choose event ids nor read other tenants' keys.
+const publishManySQL = `SELECT ord, duplicate, id FROM outbox_publish_many($1::text[], $2::jsonb[], $3::text[], $4::text[])`
 
 // PublishMany writes a batch of events in the caller's transaction in one
-// round trip and returns one result per event, in order. All events are
+// round trip (a call of the SQL function outbox_publish_many) and returns
+// one result per event, in order. All events are
 // validated first; if any is invalid nothing is written. Duplicate dispatch
 // keys (stored earlier or repeated inside the batch) yield the first event's
 // id with Duplicate = true.
@@ -384,11 +380,10 @@ func PublishMany(ctx context.Context, tx pgx.Tx, events []Event) ([]Published, e
 
 	rows, err := tx.Query(ctx, publishManySQL, types, payloads, tenants, keys)
 	if err != nil {
-		return nil, fmt.Errorf("outbox: publish: %w", err)
+		return nil, publishError(err)
 	}
 	out := make([]Published, len(events))
-	var missing []string
-	var missingAt []int
+	n := 0
 	for rows.Next() {
 		var (
 			ord int64
@@ -398,45 +393,35 @@ func PublishMany(ctx context.Context, tx pgx.Tx, events []Event) ([]Published, e
 			rows.Close()
 			return nil, fmt.Errorf("outbox: publish: %w", err)
 		}
-		i := int(ord - 1)
-		out[i] = p
-		if p.ID == 0 {
-			missing = append(missing, events[i].DispatchKey)
-			missingAt = append(missingAt, i)
+		if ord < 1 || int(ord) > len(events) {
+			rows.Close()
+			return nil, fmt.Errorf("outbox: publish: outbox_publish_many returned position %d for %d events", ord, len(events))
 		}
+		out[ord-1] = p
+		n++
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("outbox: publish: %w", err)
+		return nil, publishError(err)
 	}
-	if len(missing) > 0 {
-		// Keys repeated inside the batch, or stored by a transaction that
-		// committed while the insert waited: visible to a new statement.
-		rows, err := tx.Query(ctx, lookupKeysSQL, missing)
-		if err != nil {
-			return nil, fmt.Errorf("outbox: publish: look up duplicate keys: %w", err)
-		}
-		byKey := map[string]int64{}
-		for rows.Next() {
-			var k string
-			var id int64
-			if err := rows.Scan(&k, &id); err != nil {
-				rows.Close()
-				return nil, fmt.Errorf("outbox: publish: %w", err)
-			}
-			byKey[k] = id
-		}
-		if err := rows.Err(); err != nil {
-			return nil, fmt.Errorf("outbox: publish: %w", err)
-		}
-		for _, i := range missingAt {
-			id, ok := byKey[events[i].DispatchKey]
-			if !ok {
-				return nil, fmt.Errorf("outbox: publish: event %d: dispatch key %q conflicted but its event is not visible", i, events[i].DispatchKey)
-			}
-			out[i].ID = id
-		}
+	if n != len(events) {
+		return nil, fmt.Errorf("outbox: publish: outbox_publish_many returned %d results for %d events", n, len(events))
 	}
 	return out, nil
+}
+
+// publishError wraps an error of the publishing statement. A serialization
+// failure gets a hint: under REPEATABLE READ or SERIALIZABLE, a dispatch key
+// stored by a transaction that committed after this transaction's snapshot
+// (or that was in flight and committed while the insert waited) cannot be
+// returned, because its row is invisible to the snapshot, and Postgres
+// raises 40001. The error still wraps the *pgconn.PgError, so retry loops
+// that look for 40001 work unchanged.
+func publishError(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "40001" { // serialization_failure
+		return fmt.Errorf("outbox: publish: a dispatch key of this batch was stored by a transaction that committed after this one's snapshot (REPEATABLE READ or SERIALIZABLE); retry the whole transaction, which then gets the stored event's id: %w", err)
+	}
+	return fmt.Errorf("outbox: publish: %w", err)
 }
 
 // ValidateEvent checks one event as Publish would, without writing. It

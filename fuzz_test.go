@@ -14,6 +14,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/internal/jsonlimit"
 	"github.com/outboxhq/outbox/internal/pgtest"
 )
 
@@ -117,18 +118,19 @@ func plainNumbers(v any) bool {
 }
 
 // FuzzValidatePayload checks ValidatePayload against a decode. It must
-// refuse whatever is not valid JSON, is too large or holds a NUL in a string
-// or key (Postgres' jsonb cannot store \u0000), and it must accept plain
+// refuse whatever is not valid JSON, is too large, is nested deeper than
+// MaxPayloadDepth or holds a NUL in a string or key (Postgres' jsonb cannot
+// store \u0000), and it must accept plain
 // JSON: valid UTF-8, no surrogate escapes, numbers without exponents. (In
 // between, refusing more is allowed: see TestPayloadSeedsAcceptedAreStorable.)
 func FuzzValidatePayload(f *testing.F) {
-	for _, s := range []string{`{}`, `{"a":1}`, `[1,"x",null,true]`, `"x"`, `{"a":"\u0000"}`, `{"a":"\\u0000"}`, `{"\u0000":1}`, `{"a":"\\\u0000"}`, `{`, `{} {}`, ``, `{"a":"\ud800"}`, `1e999999`} {
+	for _, s := range []string{`{}`, `{"a":1}`, `[1,"x",null,true]`, `"x"`, `{"a":"\u0000"}`, `{"a":"\\u0000"}`, `{"\u0000":1}`, `{"a":"\\\u0000"}`, `{`, `{} {}`, ``, `{"a":"\ud800"}`, `1e999999`, strings.Repeat("[", 1000) + strings.Repeat("]", 1000), strings.Repeat("[", 1001) + strings.Repeat("]", 1001)} {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, p []byte) {
 		err := outbox.ValidatePayload(p)
 		v, decodes := decode(p)
-		valid := len(p) <= outbox.MaxPayloadBytes && json.Valid(p) && decodes && !hasNUL(v)
+		valid := len(p) <= outbox.MaxPayloadBytes && json.Valid(p) && decodes && !hasNUL(v) && jsonlimit.Depth(p) <= outbox.MaxPayloadDepth
 		if err == nil && !valid {
 			t.Fatalf("ValidatePayload accepted %q", p)
 		}
