@@ -100,7 +100,7 @@ func TestMigrateTwiceConcurrentlyThenPublish(t *testing.T) {
 	if err := json.Unmarshal([]byte(out), &first); err != nil || first.ID == 0 || first.Duplicate {
 		t.Fatalf("publish output %s (%v)", out, err)
 	}
-	code, out, _ = ctl(t, s.URL, "publish", "--type", "mail.user.welcome", "--key", "k1")
+	code, out, _ = ctl(t, s.URL, "publish", "--type", "mail.user.welcome", "--key", "k1", "--tenant", "acme")
 	if code != 0 || !strings.Contains(out, "already holds dispatch key") {
 		t.Fatalf("duplicate publish: exit %d, %q", code, out)
 	}
