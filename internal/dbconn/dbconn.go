@@ -29,7 +29,9 @@ type Options struct {
 	Logger *slog.Logger
 }
 
-// Open parses url and connects, retrying with backoff for up to opts.Wait
+// Open parses url and connects (defaulting a multi-host url to
+// target_session_attrs=read-write, and evicting connections that answer
+// read-only: see failover.go), retrying with backoff for up to opts.Wait
 // while the database is unreachable or not ready. A refusal that retrying
 // cannot fix (wrong password, unknown role or database, no CONNECT
 // privilege) fails at once with an error wrapping ErrPermanent.
@@ -48,6 +50,7 @@ func Open(ctx context.Context, url string, opts Options) (*pgxpool.Pool, error) 
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
+	configureFailover(cfg, url, logger)
 	deadline := time.Now().Add(opts.Wait)
 	delay := 250 * time.Millisecond
 	for attempt := 1; ; attempt++ {

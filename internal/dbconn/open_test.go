@@ -77,14 +77,9 @@ func TestOpenPermanentErrorsFailAtOnce(t *testing.T) {
 // Transient errors are still retried: nothing listens on the port.
 func TestOpenRetriesConnectionRefused(t *testing.T) {
 	t.Parallel()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := l.Addr().(*net.TCPAddr).Port
-	l.Close()
+	port := deadPort(t)
 	u := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable&connect_timeout=2", port)
-	_, err = dbconn.Open(context.Background(), u, dbconn.Options{Wait: 1500 * time.Millisecond})
+	_, err := dbconn.Open(context.Background(), u, dbconn.Options{Wait: 1500 * time.Millisecond})
 	if err == nil {
 		t.Fatal("Open succeeded with nothing listening")
 	}
@@ -94,4 +89,28 @@ func TestOpenRetriesConnectionRefused(t *testing.T) {
 	if strings.Contains(err.Error(), "after 1 attempt(s)") {
 		t.Errorf("connection refused was not retried: %v", err)
 	}
+}
+
+// hostOf returns the host:port part of a postgres:// URL.
+func hostOf(t *testing.T, u string) string {
+	t.Helper()
+	p, err := url.Parse(u)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.Port() == "" {
+		t.Skipf("test database URL %s has no port", pgtest.Redact(u))
+	}
+	return p.Host
+}
+
+// deadPort returns a local port nothing listens on.
+func deadPort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
 }
