@@ -33,9 +33,9 @@ import (
 // dispatcher's batches, the listener's heartbeat, retention, and River's
 // clients built on it.
 
-// targetSessionAttrsSet matches an explicit target_session_attrs in either
-// form of connection string.
-var targetSessionAttrsSet = regexp.MustCompile(`(?i)(^|[?&\s])target_session_attrs\s*=`)
+// targetSessionAttrs matches an explicit target_session_attrs in either
+// form of connection string, and captures its value.
+var targetSessionAttrs = regexp.MustCompile(`(?i)(?:^|[?&\s])target_session_attrs\s*=\s*'?([a-z-]*)`)
 
 // multiHost reports whether c names more than one host:port (pgx also puts
 // the same host into Fallbacks for sslmode=prefer's plain-text retry; that
@@ -53,21 +53,46 @@ func multiHost(c *pgconn.Config) bool {
 // configureFailover applies the read-write default to a multi-host url and
 // installs the eviction of read-only connections on cfg.
 func configureFailover(cfg *pgxpool.Config, url string, logger *slog.Logger) {
-	if multiHost(&cfg.ConnConfig.Config) && cfg.ConnConfig.ValidateConnect == nil &&
-		!targetSessionAttrsSet.MatchString(url) && os.Getenv("PGTARGETSESSIONATTRS") == "" {
-		cfg.ConnConfig.ValidateConnect = pgconn.ValidateConnectTargetSessionAttrsReadWrite
+	target := os.Getenv("PGTARGETSESSIONATTRS")
+	if m := targetSessionAttrs.FindStringSubmatch(url); m != nil {
+		target = m[1]
 	}
+	if target == "" && multiHost(&cfg.ConnConfig.Config) && cfg.ConnConfig.ValidateConnect == nil {
+		cfg.ConnConfig.ValidateConnect = pgconn.ValidateConnectTargetSessionAttrsReadWrite
+		target = "read-write"
+	}
+	wantWrite := target == "read-write" || target == "primary"
 
 	cfg.ConnConfig.Tracer = readOnlyTracer{}
 	prev := cfg.AfterRelease
 	cfg.AfterRelease = func(c *pgx.Conn) bool {
-		if ReadOnly(c) {
-			logger.Warn("closing a database connection that answered read-only (SQLSTATE 25006): the server is a standby or no longer the primary; new connections go to the read-write host",
+		why := ""
+		switch {
+		case ReadOnly(c):
+			why = "it answered SQLSTATE 25006 (read-only transaction)"
+		case wantWrite && OnReadOnlyNode(c):
+			why = "its server reports that it is a standby or read-only"
+		}
+		if why != "" {
+			logger.Warn("closing a database connection: "+why+"; the server is no longer the primary, new connections go to the read-write host",
 				slog.String("host", c.PgConn().Conn().RemoteAddr().String()))
 			return false
 		}
 		return prev == nil || prev(c)
 	}
+}
+
+// OnReadOnlyNode reports whether the server of c has told it (PostgreSQL 14
+// and later report these settings on every change, with the reply to the
+// next statement) that it is a hot standby or that its transactions default
+// to read-only, as on a fenced old primary. It costs no round trip, and it
+// is false when the server does not report them. A dedicated session that
+// must be on the primary (the dispatcher's wake lock) checks it before
+// reuse; the pool opened by Open drops such connections on release when it
+// targets a read-write host.
+func OnReadOnlyNode(c *pgx.Conn) bool {
+	pc := c.PgConn()
+	return pc.ParameterStatus("in_hot_standby") == "on" || pc.ParameterStatus("default_transaction_read_only") == "on"
 }
 
 // readOnlyKey is the CustomData key that marks a connection to be evicted.

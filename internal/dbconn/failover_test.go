@@ -145,3 +145,43 @@ func TestOpenMultiHostReadWriteDefault(t *testing.T) {
 		})
 	}
 }
+
+// A pool that targets a read-write host also drops a connection whose
+// server reports that it has become read-only (a fenced primary, a
+// standby), before any write fails on it.
+func TestOpenEvictsConnectionsOnReadOnlyNodes(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, &pgtest.Options{NoMigrate: true, MaxConns: 2})
+	ctx := pgtest.Context(t, time.Minute)
+	for _, tc := range []struct {
+		name  string
+		attrs string
+		evict bool
+	}{
+		{"read-write target", "target_session_attrs=read-write", true},
+		{"no target", "", false},
+	} {
+		url := s.URL
+		if tc.attrs != "" {
+			url += "&" + tc.attrs
+		}
+		pool, err := dbconn.Open(ctx, url, dbconn.Options{MaxConns: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var pid, pid2 int
+		// A fence the server reports to the session (ParameterStatus),
+		// while the session only reads.
+		err = pool.QueryRow(ctx, `SELECT pg_backend_pid() FROM set_config('default_transaction_read_only', 'on', false)`).Scan(&pid)
+		if err == nil {
+			err = pool.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid2)
+		}
+		pool.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if evicted := pid2 != pid; evicted != tc.evict {
+			t.Errorf("%s: connection on a read-only node evicted = %v, want %v", tc.name, evicted, tc.evict)
+		}
+	}
+}
