@@ -192,7 +192,11 @@ func (h pingHandler) HandleNotification(ctx context.Context, n *pgconn.Notificat
 	qctx, cancel := context.WithTimeout(ctx, h.l.cfg.PingInterval)
 	defer cancel()
 	if err := conn.QueryRow(qctx, `SHOW transaction_read_only`).Scan(&ro); err != nil {
-		return err
+		// Not counted as a pong: a broken session fails its next wait,
+		// a stuck one is torn down by the watchdog. Returning the error
+		// would mark a live connection disconnected (LogError).
+		h.l.cfg.Logger.Warn("outbox listener heartbeat check failed", slog.String("error", err.Error()))
+		return nil
 	}
 	if ro == "on" {
 		h.l.cfg.Logger.Warn("outbox listener is on a read-only node (a standby or a fenced old primary); reconnecting")
