@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/outboxhq/outbox/internal/dbconn"
 )
 
 // wakeLockClass is the first key of the wake advisory lock; the second is
@@ -36,6 +38,9 @@ type wakeLock struct {
 func (w *wakeLock) acquire(ctx context.Context) (bool, error) {
 	if w.held {
 		return true, nil
+	}
+	if w.conn != nil && dbconn.OnReadOnlyNode(w.conn) {
+		w.close() // a lock on a demoted or fenced node makes no producer notify
 	}
 	if w.conn == nil || w.conn.IsClosed() {
 		cfg := w.connConfig.Copy()

@@ -178,10 +178,31 @@ func (h handler) HandleBacklog(context.Context, string, *pgx.Conn) error {
 
 type pingHandler struct{ l *Listener }
 
-func (h pingHandler) HandleNotification(_ context.Context, n *pgconn.Notification, _ *pgx.Conn) error {
-	if n.Payload == h.l.token {
-		h.l.lastPong.Store(time.Now().UnixNano())
+// HandleNotification counts a pong only while the listening session is on
+// a node that takes writes: LISTEN and NOTIFY work on a primary fenced
+// read-only (a switchover), so without this check the listener would stay
+// there, alive and deaf, after the producers moved to the new primary. A
+// read-only answer lets the watchdog reconnect (target_session_attrs picks
+// the new primary).
+func (h pingHandler) HandleNotification(ctx context.Context, n *pgconn.Notification, conn *pgx.Conn) error {
+	if n.Payload != h.l.token {
+		return nil
 	}
+	var ro string
+	qctx, cancel := context.WithTimeout(ctx, h.l.cfg.PingInterval)
+	defer cancel()
+	if err := conn.QueryRow(qctx, `SHOW transaction_read_only`).Scan(&ro); err != nil {
+		// Not counted as a pong: a broken session fails its next wait,
+		// a stuck one is torn down by the watchdog. Returning the error
+		// would mark a live connection disconnected (LogError).
+		h.l.cfg.Logger.Warn("outbox listener heartbeat check failed", slog.String("error", err.Error()))
+		return nil
+	}
+	if ro == "on" {
+		h.l.cfg.Logger.Warn("outbox listener is on a read-only node (a standby or a fenced old primary); reconnecting")
+		return nil
+	}
+	h.l.lastPong.Store(time.Now().UnixNano())
 	return nil
 }
 

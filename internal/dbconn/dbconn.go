@@ -1,6 +1,7 @@
 // Package dbconn opens the pgx pool of outboxd and outboxctl: it parses
 // DATABASE_URL, retries while the database is down with a growing delay and
-// a log line per attempt, and keeps the password out of every message.
+// a log line per attempt (but not when the credentials, role or database are
+// wrong), and keeps the password out of every message.
 package dbconn
 
 import (
@@ -25,13 +26,18 @@ type Options struct {
 	// pool_max_conns).
 	MaxConns int32
 	// Wait is how long to keep retrying while the database is unreachable.
-	// 0 means try once.
+	// 0 means try once. Permanent refusals (IsPermanent) are never retried.
 	Wait time.Duration
 	// Logger for the retry messages; nil discards.
 	Logger *slog.Logger
 }
 
-// Open parses url and connects, retrying with backoff for up to opts.Wait.
+// Open parses url and connects (defaulting a multi-host url to
+// target_session_attrs=read-write, and evicting connections that answer
+// read-only: see failover.go), retrying with backoff for up to opts.Wait
+// while the database is unreachable or not ready. A refusal that retrying
+// cannot fix (wrong password, unknown role or database, no CONNECT
+// privilege) fails at once with an error wrapping ErrPermanent.
 func Open(ctx context.Context, url string, opts Options) (*pgxpool.Pool, error) {
 	if url == "" {
 		return nil, errors.New("DATABASE_URL is not set: give a Postgres connection string, e.g. postgres://user@127.0.0.1:5432/app")
@@ -47,6 +53,7 @@ func Open(ctx context.Context, url string, opts Options) (*pgxpool.Pool, error) 
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
+	configureFailover(cfg, url, logger)
 	deadline := time.Now().Add(opts.Wait)
 	delay := 250 * time.Millisecond
 	for attempt := 1; ; attempt++ {
@@ -61,6 +68,10 @@ func Open(ctx context.Context, url string, opts Options) (*pgxpool.Pool, error) 
 			pool.Close()
 		}
 		msg := Redact(err.Error(), url)
+		if pe := permanentError(err); pe != nil {
+			return nil, fmt.Errorf("%w: the database at %s refused the connection with SQLSTATE %s (%s): %s; fix DATABASE_URL (user, password, database name) or the role's grants: retrying cannot help",
+				ErrPermanent, Describe(cfg.ConnConfig), pe.Code, permanentCodes[pe.Code], Redact(pe.Message, url))
+		}
 		if ctx.Err() != nil || time.Now().Add(delay).After(deadline) {
 			return nil, fmt.Errorf("cannot reach the database at %s after %d attempt(s): %s", Describe(cfg.ConnConfig), attempt, msg)
 		}
