@@ -4,8 +4,10 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"os"
 	"reflect"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -413,4 +415,19 @@ func TestWithIdempotencyJobSuppressesDuplicateDelivery(t *testing.T) {
 	pgtest.WaitFor(t, 30*time.Second, "both outbox jobs completed", func() bool {
 		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = ANY($1) AND state = 'completed'`, []int64{first[0], second[0]}) == 2
 	})
+}
+
+// docs/routes.md documents every metadata key.
+func TestMetadataKeysDocumented(t *testing.T) {
+	t.Parallel()
+	data, err := os.ReadFile("../docs/routes.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{outboxriver.MetadataEventID, outboxriver.MetadataEventType, outboxriver.MetadataTenantID,
+		outboxriver.MetadataDispatchKey, outboxriver.MetadataCreatedAt, outboxriver.MetadataArgs} {
+		if !strings.Contains(string(data), "| `"+k+"` |") {
+			t.Errorf("docs/routes.md does not document metadata key %s", k)
+		}
+	}
 }
