@@ -50,8 +50,9 @@ type jobMetadata struct {
 
 // PayloadArgs are the args of a job whose route says args: payload: the
 // event's payload, verbatim, under the route's kind. River encodes args
-// with encoding/json, so MarshalJSON makes the payload the job's args and a
-// river.Worker[T] registered for the kind decodes it as its own T.
+// with encoding/json (which only compacts what MarshalJSON returns), so the
+// payload becomes the job's args and a river.Worker[T] registered for the
+// kind decodes it as its own T.
 type PayloadArgs struct {
 	// JobKind is the route's kind.
 	JobKind string

@@ -293,14 +293,17 @@ routes:
         args: payload
         priority: 4
         tags: [invoice]
+      - queue: outbox_ledger
+        kind: ledger_entry
+        max_attempts: 3
 `)
 	ids := pgtest.Publish(t, s.Pool, outbox.Event{Type: "billing.invoice.paid", TenantID: "acme", Payload: json.RawMessage(`{"invoice_id": 9, "email": "bob@example.com"}`)})
 	want := claimedEvent(t, s.Pool, ids[0])
 	params := paramsFor(t, s.Pool, tbl, ids[0])
-	if len(params) != 2 || params[0].Args.Kind() != outboxriver.Kind || params[1].Args.Kind() != "send_invoice_email" {
+	if len(params) != 3 || params[0].Args.Kind() != outboxriver.Kind || params[1].Args.Kind() != "send_invoice_email" || params[2].Args.Kind() != "ledger_entry" {
 		t.Fatalf("params = %+v", params)
 	}
-	insertJobs(t, s.Pool, params)
+	jobIDs := insertJobs(t, s.Pool, params)
 
 	var (
 		mu      sync.Mutex
@@ -317,7 +320,7 @@ routes:
 	workers := river.NewWorkers()
 	river.AddWorker(workers, w)
 	river.AddWorker(workers, outboxriver.NewWorker(handlers, outboxriver.WorkerOptions{Logger: quiet}))
-	startPlainClient(t, s.Pool, workers, "mail", "outbox_audit")
+	client := startPlainClient(t, s.Pool, workers, "mail", "outbox_audit")
 	pgtest.WaitFor(t, 30*time.Second, "both jobs worked", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
@@ -338,6 +341,21 @@ routes:
 	}
 	ev, _ := outboxriver.JobEvent(job)
 	checkEvent(t, ev, want)
+
+	// The envelope under a kind of its own: EventArgs' JSON, the route's
+	// kind and attempts (no worker here: it stays available).
+	row, err := client.JobGet(context.Background(), jobIDs[2])
+	if err != nil {
+		t.Fatal(err)
+	}
+	var args outboxriver.EventArgs
+	if err := json.Unmarshal(row.EncodedArgs, &args); err != nil {
+		t.Fatal(err)
+	}
+	if row.Kind != "ledger_entry" || row.Queue != "outbox_ledger" || row.MaxAttempts != 3 || args.EventID != want.EventID || args.EventType != want.EventType || !jsonEqual(t, args.Payload, want.Payload) {
+		t.Errorf("kinded envelope job: kind %s queue %s max_attempts %d args %+v", row.Kind, row.Queue, row.MaxAttempts, args)
+	}
+	checkMetadata(t, row.Metadata, want, "envelope")
 }
 
 // A plain worker makes its effect idempotent with the event id from the
