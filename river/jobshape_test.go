@@ -449,3 +449,22 @@ func TestMetadataKeysDocumented(t *testing.T) {
 		}
 	}
 }
+
+// A rule built in code without Jobs (not through route.New) gets envelope
+// jobs of kind outbox_event, one per queue, with the metadata.
+func TestJobParamsDefaultsWithoutJobs(t *testing.T) {
+	t.Parallel()
+	tenant := "acme"
+	ev := outboxriver.EventArgs{EventID: 5, EventType: "mail.user.welcome", TenantID: &tenant, Payload: json.RawMessage(`{"a":1}`), CreatedAt: time.Unix(1700000000, 0).UTC()}
+	params := outboxriver.JobParams(route.Rule{Prefix: "mail.", Queues: []string{"outbox_mail", "outbox_audit"}}, ev)
+	if len(params) != 2 {
+		t.Fatalf("%d params", len(params))
+	}
+	for i, q := range []string{"outbox_mail", "outbox_audit"} {
+		p := params[i]
+		if !reflect.DeepEqual(p.Args, ev) || p.InsertOpts.Queue != q || p.InsertOpts.Priority != 0 || p.InsertOpts.MaxAttempts != 0 || p.InsertOpts.Tags != nil {
+			t.Errorf("param %d = %+v %+v", i, p.Args, p.InsertOpts)
+		}
+		checkMetadata(t, p.InsertOpts.Metadata, ev, "envelope")
+	}
+}
