@@ -1,12 +1,14 @@
 package outboxriver
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"reflect"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
 )
 
@@ -37,8 +39,9 @@ type Event struct {
 	// first retry, and so on.
 	Attempt int
 
-	// job is the River job, for river.JobCompleteTx in WithIdempotency.
-	job *river.Job[EventArgs]
+	// complete completes the River job with river.JobCompleteTx, for
+	// WithIdempotency; nil for an Event not built from a running job.
+	complete func(ctx context.Context, tx pgx.Tx) error
 }
 
 // EventFromJob returns the Event that job delivers. Worker calls it for
@@ -54,7 +57,7 @@ func EventFromJob(job *river.Job[EventArgs]) Event {
 		JobID:     job.ID,
 		Queue:     job.Queue,
 		Attempt:   job.Attempt,
-		job:       job,
+		complete:  completer(job),
 	}
 	if a.TenantID != nil {
 		ev.TenantID = *a.TenantID

@@ -151,3 +151,57 @@ func ExampleUnworkedQueues() {
 	// routed, worked by no group: [outbox_search-index]
 	// worked by mail, routed by nothing: [outbox_webhook]
 }
+
+func ExampleJobParams() {
+	tbl, err := route.Parse([]byte(`
+routes:
+  - prefix: "billing.invoice."
+    jobs:
+      - queue: outbox_audit
+      - queue: mail
+        kind: send_invoice_email
+        args: payload
+        priority: 2
+        tags: [billing]
+`))
+	if err != nil {
+		panic(err)
+	}
+	// The event as the dispatcher claimed it.
+	ev := outboxriver.EventArgs{
+		EventID:   42,
+		EventType: "billing.invoice.paid",
+		Payload:   json.RawMessage(`{"invoice_id":7,"email":"ada@example.com"}`),
+	}
+	rule, _ := tbl.Match(ev.EventType)
+	for _, p := range outboxriver.JobParams(rule, ev) {
+		args, _ := json.Marshal(p.Args)
+		fmt.Println(p.InsertOpts.Queue, p.Args.Kind(), p.InsertOpts.Priority, p.InsertOpts.Tags)
+		fmt.Println("  args:", string(args))
+		fmt.Println("  metadata:", string(p.InsertOpts.Metadata))
+	}
+	// Output:
+	// outbox_audit outbox_event 0 []
+	//   args: {"event_id":42,"event_type":"billing.invoice.paid","tenant_id":null,"payload":{"invoice_id":7,"email":"ada@example.com"},"dispatch_key":null,"created_at":"0001-01-01T00:00:00Z"}
+	//   metadata: {"outbox_event_id":42,"outbox_event_type":"billing.invoice.paid","outbox_created_at":"0001-01-01T00:00:00Z","outbox_args":"envelope"}
+	// mail send_invoice_email 2 [billing]
+	//   args: {"invoice_id":7,"email":"ada@example.com"}
+	//   metadata: {"outbox_event_id":42,"outbox_event_type":"billing.invoice.paid","outbox_created_at":"0001-01-01T00:00:00Z","outbox_args":"payload"}
+}
+
+// A plain River worker, unchanged from before the service adopted the
+// outbox, makes its effect idempotent per event.
+func ExampleWithIdempotencyJob() {
+	var pool *pgxpool.Pool // the service's pool
+	work := func(ctx context.Context, job *river.Job[SendInvoiceArgs]) error {
+		return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			_, err := outboxriver.WithIdempotencyJob(ctx, tx, outboxriver.Receiver{Name: "invoice-mailer"}, job,
+				func(ctx context.Context, tx pgx.Tx) error {
+					_, err := tx.Exec(ctx, `INSERT INTO invoice_mail (invoice_id) VALUES ($1)`, job.Args.InvoiceID)
+					return err
+				})
+			return err
+		})
+	}
+	_ = work
+}

@@ -12,8 +12,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 )
 
 // DefaultReceiptTTL is how long a receipt or a claim suppresses duplicate
@@ -84,7 +82,9 @@ RETURNING true`
 // job, call it once per handler, as the handler's last step; a second
 // effect needs its own receiver and job. ctx must be the worker's context
 // (it carries River's client, which JobCompleteTx needs). An Event built by
-// hand, not from a job, gets the receipt without a job completion.
+// hand or by EventFromMetadata, not from a running job, gets the receipt
+// without a job completion. A plain river.Worker[T] of a River-native route
+// gets its Event from JobEvent, or calls WithIdempotencyJob.
 func WithIdempotency(ctx context.Context, tx pgx.Tx, r Receiver, ev Event, fn func(ctx context.Context, tx pgx.Tx) error) (duplicate bool, err error) {
 	ttl, err := r.ttl()
 	if err != nil {
@@ -102,8 +102,8 @@ func WithIdempotency(ctx context.Context, tx pgx.Tx, r Receiver, ev Event, fn fu
 			return false, err
 		}
 	}
-	if ev.job != nil {
-		if _, err := river.JobCompleteTx[*riverpgxv5.Driver](ctx, tx, ev.job); err != nil {
+	if ev.complete != nil {
+		if err := ev.complete(ctx, tx); err != nil {
 			return duplicate, fmt.Errorf("outboxriver: complete job %d of event %d in the receiver's transaction: %w", ev.JobID, ev.ID, err)
 		}
 	}

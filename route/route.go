@@ -1,11 +1,14 @@
-// Package route maps event types to River queues.
+// Package route maps event types to River queues and job shapes.
 //
 // A Table holds rules, each an event-type prefix and one or more queues. An
 // event goes to the queues of the longest prefix that matches its type; a
-// rule with several queues fans out (one River job per queue). Tables are
+// rule with several queues fans out (one River job per queue). Each queue's
+// job has a shape (Job): its River kind, its args (the outbox envelope or
+// the event payload verbatim), priority, max attempts and tags. Tables are
 // loaded from the YAML routes file (Load, Parse) or built in code (New), and
-// both paths validate: prefixes must be whole segments, queue names must be
-// names River accepts, and a prefix may appear once.
+// both paths validate: prefixes must be whole segments, queue names, kinds,
+// priorities, attempt limits and tags must be values River accepts, and a
+// prefix may appear once. docs/routes.md is the reference.
 package route
 
 import (
@@ -19,12 +22,21 @@ import (
 )
 
 // Rule routes the event types starting with Prefix to Queues.
+//
+// Jobs gives the shape of the job each queue receives (kind, args, priority,
+// max attempts, tags). A rule built in code may give Queues only (every
+// job gets the default shape: kind outbox_event, envelope args), Jobs only,
+// or both when they name the same queues in the same order. New fills in
+// the other, so the rules of a Table always have Jobs[i].Queue ==
+// Queues[i] and every default spelled out (Kind, Args).
 type Rule struct {
 	// Prefix is one or more whole type segments ending in a dot ("mail.",
 	// "plugin.hook."), or a complete event type for an exact match.
 	Prefix string
 	// Queues are the River queues that receive one job each.
 	Queues []string
+	// Jobs are the jobs of the rule, one per queue.
+	Jobs []Job
 	// Line is the rule's line in the routes file (0 when built in code).
 	Line int
 }
@@ -110,31 +122,16 @@ func New(rules []Rule) (*Table, error) {
 			errs = append(errs, fmt.Errorf("%s: duplicate prefix %q, first given by %s: merge the two rules (use queues: [...] to fan out)", where, r.Prefix, ruleName(-1, prev)))
 			continue
 		}
-		if len(r.Queues) == 0 {
-			errs = append(errs, fmt.Errorf("%s: no queue: give queue: <name> or queues: [<name>, ...]", where))
+		jobs, jerrs := ruleJobs(r, where)
+		if len(jerrs) > 0 {
+			errs = append(errs, jerrs...)
 			continue
 		}
-		queues := make([]string, 0, len(r.Queues))
-		qseen := map[string]bool{}
-		bad := false
-		for _, q := range r.Queues {
-			if err := ValidateQueueName(q); err != nil {
-				errs = append(errs, fmt.Errorf("%s: %w", where, err))
-				bad = true
-				continue
-			}
-			if qseen[q] {
-				errs = append(errs, fmt.Errorf("%s: queue %q is listed twice", where, q))
-				bad = true
-				continue
-			}
-			qseen[q] = true
-			queues = append(queues, q)
+		r.Jobs = jobs
+		r.Queues = make([]string, len(jobs))
+		for i, j := range jobs {
+			r.Queues[i] = j.Queue
 		}
-		if bad {
-			continue
-		}
-		r.Queues = queues
 		seen[r.Prefix] = r
 		out = append(out, r)
 	}
@@ -143,6 +140,54 @@ func New(rules []Rule) (*Table, error) {
 	}
 	sort.SliceStable(out, func(i, j int) bool { return len(out[i].Prefix) > len(out[j].Prefix) })
 	return &Table{rules: out}, nil
+}
+
+// ruleJobs returns the validated jobs of r, defaults filled in, from its
+// Jobs or its Queues.
+func ruleJobs(r Rule, where string) ([]Job, []error) {
+	var errs []error
+	jobs := make([]Job, 0, max(len(r.Jobs), len(r.Queues)))
+	switch {
+	case len(r.Jobs) == 0 && len(r.Queues) == 0:
+		return nil, []error{fmt.Errorf("%s: no queue: give queue: <name>, queues: [<name>, ...] or jobs: [{queue: <name>, ...}, ...]", where)}
+	case len(r.Jobs) == 0:
+		for _, q := range r.Queues {
+			jobs = append(jobs, Job{Queue: q, Line: r.Line})
+		}
+	case len(r.Queues) == 0:
+		jobs = append(jobs, r.Jobs...)
+	default:
+		if len(r.Queues) != len(r.Jobs) {
+			return nil, []error{fmt.Errorf("%s: Queues has %d names but Jobs has %d jobs: give one of the two, or the same queues in both", where, len(r.Queues), len(r.Jobs))}
+		}
+		for i, j := range r.Jobs {
+			if j.Queue != r.Queues[i] {
+				return nil, []error{fmt.Errorf("%s: Queues[%d] is %q but Jobs[%d].Queue is %q: give one of the two, or the same queues in both", where, i, r.Queues[i], i, j.Queue)}
+			}
+		}
+		jobs = append(jobs, r.Jobs...)
+	}
+	qseen := map[string]bool{}
+	for i := range jobs {
+		j := &jobs[i]
+		at := where
+		if j.Line > 0 && j.Line != r.Line {
+			at = fmt.Sprintf("%s, job at line %d", where, j.Line)
+		}
+		if err := ValidateQueueName(j.Queue); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", at, err))
+		} else if qseen[j.Queue] {
+			errs = append(errs, fmt.Errorf("%s: queue %q is listed twice (one job per queue)", at, j.Queue))
+		}
+		qseen[j.Queue] = true
+		for _, err := range j.normalize() {
+			if j.Queue != "" && len(jobs) > 1 {
+				err = fmt.Errorf("queue %s: %w", j.Queue, err)
+			}
+			errs = append(errs, fmt.Errorf("%s: %w", at, err))
+		}
+	}
+	return jobs, errs
 }
 
 func ruleName(i int, r Rule) string {
