@@ -21,24 +21,33 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 
+	"github.com/outboxhq/outbox"
 	"github.com/outboxhq/outbox/alert"
+	"github.com/outboxhq/outbox/internal/jsonlimit"
 	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
 )
 
 // Event is a claimed outbox row.
 type Event struct {
-	ID          int64
-	Type        string
-	TenantID    *string
+	ID       int64
+	Type     string
+	TenantID *string
+	// Payload holds the jsonb's text exactly as the server sent it: the
+	// dispatcher only forwards it and never decodes it (a payload Go's
+	// decoder refuses must not fail the claim of a whole batch).
 	Payload     json.RawMessage
 	DispatchKey *string
 	Retries     int
 	CreatedAt   time.Time
 	ScheduledAt time.Time
+
+	// fault says why this row cannot be handed off (see rowFault), or "".
+	fault string
 }
 
 // Position is a place in claim order, (scheduled_at, id).
@@ -115,6 +124,15 @@ FROM (
 ) j
 WHERE e.id = j.event_id`
 
+// markBrokenSQL dead-letters rows that can never be handed off (see
+// rowFault), at once: retrying cannot change what is stored. $1 and $2 are
+// parallel arrays of event ids and reasons.
+const markBrokenSQL = `
+UPDATE outbox_event e
+SET status = 'failed', locked_until = NULL, retries = e.retries + 1, last_error = b.msg
+FROM unnest($1::bigint[], $2::text[]) AS b(id, msg)
+WHERE e.id = b.id`
+
 // markUnroutableSQL fails events that no route matches, at once.
 const markUnroutableSQL = `
 UPDATE outbox_event
@@ -181,6 +199,9 @@ type Result struct {
 	Jobs int
 	// Unroutable events were failed at once.
 	Unroutable int
+	// Broken events broke the payload rule (or held a value that cannot be
+	// handed off) and were dead-lettered at once.
+	Broken int
 	// Retried events failed an attempt and were rescheduled.
 	Retried int
 	// DeadLettered events failed for the last time.
@@ -212,6 +233,7 @@ func (r *Result) add(o Result) {
 	r.Done += o.Done
 	r.Jobs += o.Jobs
 	r.Unroutable += o.Unroutable
+	r.Broken += o.Broken
 	r.Retried += o.Retried
 	r.DeadLettered += o.DeadLettered
 	r.Skipped += o.Skipped
@@ -337,16 +359,56 @@ func (h *Handoff) begin(ctx context.Context, conn *pgx.Conn, sql string, args ..
 	if err != nil {
 		return nil, nil, fmt.Errorf("claim: %w", err)
 	}
-	events, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Event, error) {
-		var e Event
-		err := row.Scan(&e.ID, &e.Type, &e.TenantID, &e.Payload, &e.DispatchKey, &e.Retries, &e.CreatedAt, &e.ScheduledAt)
-		return e, err
-	})
+	events, err := pgx.CollectRows(rows, scanEvent)
 	if err != nil {
 		tx.abandon(ctx)
 		return nil, nil, fmt.Errorf("claim: %w", err)
 	}
 	return tx, events, nil
+}
+
+// scanEvent reads one claimed row without judging it: the payload as bytes
+// (pgx copies the bytes for a *[]byte target, where a json.RawMessage
+// target would run encoding/json over them), the times as pgtype values
+// (a stored ±infinity cannot be scanned into a time.Time). Whatever makes
+// the row impossible to hand off is recorded in fault, for that row alone.
+func scanEvent(row pgx.CollectableRow) (Event, error) {
+	var (
+		e                  Event
+		created, scheduled pgtype.Timestamptz
+	)
+	if err := row.Scan(&e.ID, &e.Type, &e.TenantID, (*[]byte)(&e.Payload), &e.DispatchKey, &e.Retries, &created, &scheduled); err != nil {
+		return e, err
+	}
+	e.CreatedAt, e.ScheduledAt = created.Time, scheduled.Time
+	switch {
+	case created.InfinityModifier != pgtype.Finite:
+		e.fault = "created_at is infinite: the job args cannot carry it"
+	case created.Time.Year() < 0 || created.Time.Year() > 9999:
+		e.fault = fmt.Sprintf("created_at %s is outside years 0..9999: the job args cannot carry it", created.Time.Format(time.RFC3339))
+	case scheduled.InfinityModifier != pgtype.Finite:
+		e.fault = "scheduled_at is infinite"
+	default:
+		e.fault = rowFault(e.Payload)
+	}
+	return e, nil
+}
+
+// rowFault checks a payload against the payload rule, the one Publish and
+// outbox_publish enforce: at most outbox.MaxPayloadBytes of JSON text and
+// nested at most jsonlimit.MaxDepth levels. Rows from older versions or
+// from writers that bypassed the rule can break it; such a row is
+// dead-lettered instead of handed off, since no retry can fix it and a
+// worker could not decode its args. It returns "" for a good payload.
+func rowFault(payload []byte) string {
+	const rule = "; the payload rule is at most %d bytes and %d levels of nesting: fix the producer; the event is dead-lettered without a River job"
+	if len(payload) > outbox.MaxPayloadBytes {
+		return fmt.Sprintf("payload is %d bytes"+rule, len(payload), outbox.MaxPayloadBytes, jsonlimit.MaxDepth)
+	}
+	if jsonlimit.Exceeds(payload, jsonlimit.MaxDepth) {
+		return fmt.Sprintf("payload is nested deeper than %d levels"+rule, jsonlimit.MaxDepth, outbox.MaxPayloadBytes, jsonlimit.MaxDepth)
+	}
+	return ""
 }
 
 // handoff routes events, inserts their jobs, and marks them done or failed
@@ -355,12 +417,17 @@ func (h *Handoff) handoff(ctx context.Context, tx *pipeTx, events []Event) (Resu
 	var (
 		res        Result
 		unroutable []Event
+		broken     []Event
 		final      []queued
 		params     = make([]river.InsertManyParams, 0, len(events))
 		jobEvent   = make([]int64, 0, len(events))
 	)
 	for i := range events {
 		e := &events[i]
+		if e.fault != "" {
+			broken = append(broken, *e)
+			continue
+		}
 		rule, ok := h.Routes.Match(e.Type)
 		if !ok {
 			unroutable = append(unroutable, *e)
@@ -404,10 +471,37 @@ func (h *Handoff) handoff(ctx context.Context, tx *pipeTx, events []Event) (Resu
 		final = append(final, queued{"mark unroutable", markUnroutableSQL, []any{ids}})
 		res.Unroutable = len(unroutable)
 	}
+	if len(broken) > 0 {
+		ids := make([]int64, len(broken))
+		msgs := make([]string, len(broken))
+		for i, e := range broken {
+			ids[i], msgs[i] = e.ID, e.fault
+		}
+		final = append(final, queued{"dead-letter broken rows", markBrokenSQL, []any{ids, msgs}})
+		res.Broken = len(broken)
+	}
 	if err := tx.commitWith(ctx, final); err != nil {
 		return res, nil, err
 	}
+	h.alertBroken(ctx, broken)
 	return res, unroutable, nil
+}
+
+func (h *Handoff) alertBroken(ctx context.Context, events []Event) {
+	if h.Alerter == nil {
+		return
+	}
+	for _, e := range events {
+		h.Alerter.Alert(ctx, alert.Alert{
+			Reason:    alert.DeadLetter,
+			Message:   fmt.Sprintf("event %d (%s) cannot be handed off and is dead-lettered", e.ID, e.Type),
+			EventID:   e.ID,
+			EventType: e.Type,
+			TenantID:  deref(e.TenantID),
+			Retries:   e.Retries + 1,
+			Err:       e.fault,
+		})
+	}
 }
 
 func (h *Handoff) alertUnroutable(ctx context.Context, events []Event) {

@@ -318,3 +318,36 @@ func TestBatchAfterContinuesFromPosition(t *testing.T) {
 		t.Fatalf("Batch = %+v %v, want the late row", full, err)
 	}
 }
+
+// TestUnscannableRowIsIsolated: a stored -infinity scheduled_at (first in
+// claim order) cannot be scanned into a time.Time; it used to fail every
+// claim. It is dead-lettered and the event behind it handed off.
+func TestUnscannableRowIsIsolated(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, time.Minute)
+	var bad int64
+	if err := s.Pool.QueryRow(ctx, `INSERT INTO outbox_event (event_type, payload, scheduled_at)
+		VALUES ('mail.user.welcomed', '{}', '-infinity') RETURNING id`).Scan(&bad); err != nil {
+		t.Fatal(err)
+	}
+	good := publish(t, s.Pool, "mail.user.welcomed")[0]
+	h := newHandoff(t, s.Pool, 6, nil)
+	res, err := h.Batch(ctx, 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Done != 1 || res.Broken != 1 {
+		t.Fatalf("result %+v, want 1 done and 1 broken", res)
+	}
+	var st, lastErr string
+	if err := s.Pool.QueryRow(ctx, `SELECT status::text, last_error FROM outbox_event WHERE id = $1`, bad).Scan(&st, &lastErr); err != nil {
+		t.Fatal(err)
+	}
+	if st != "failed" || !strings.Contains(lastErr, "scheduled_at is infinite") {
+		t.Fatalf("bad row: %s %q", st, lastErr)
+	}
+	if r := get(t, s.Pool, good); r.status != "done" {
+		t.Fatalf("good row %+v", r)
+	}
+}

@@ -566,7 +566,7 @@ func (d *Dispatcher) pass(ctx context.Context, resume bool) (int, error) {
 		d.jobs.Add(int64(res.Jobs))
 		d.unroutable.Add(int64(res.Unroutable))
 		d.retried.Add(int64(res.Retried))
-		d.dead.Add(int64(res.DeadLettered))
+		d.dead.Add(int64(res.DeadLettered + res.Broken))
 		if d.cfg.OnBatch != nil {
 			d.cfg.OnBatch(res)
 		}
