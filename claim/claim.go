@@ -114,9 +114,11 @@ FOR UPDATE SKIP LOCKED`
 
 // markDoneSQL marks events done and records their River job ids. $1 and $2
 // are parallel arrays (event id, job id), one entry per job, in route order.
+// processed_at is the handoff time, clock_timestamp() right after River's
+// insert, not now() (the start of the batch transaction, before the claim).
 const markDoneSQL = `
 UPDATE outbox_event e
-SET status = 'done', processed_at = now(), locked_until = NULL, river_job_ids = j.ids
+SET status = 'done', processed_at = clock_timestamp(), locked_until = NULL, river_job_ids = j.ids
 FROM (
     SELECT event_id, array_agg(job_id ORDER BY ord) AS ids
     FROM unnest($1::bigint[], $2::bigint[]) WITH ORDINALITY AS t(event_id, job_id, ord)
@@ -158,9 +160,12 @@ RETURNING status::text, retries, event_type, tenant_id`
 // RescueSQL puts rows left in 'processing' past locked_until back to
 // pending. This dispatcher never commits 'processing' (see claimSQL), but
 // external tools or older versions may; the rescue keeps them from sticking.
+// A processing row without locked_until has no lease that could still be
+// running (nothing of this version writes one), so it is rescued too; the
+// processing index holds NULL keys as well, so this stays an index scan.
 const RescueSQL = `
 UPDATE outbox_event SET status = 'pending', locked_until = NULL
-WHERE status = 'processing' AND locked_until < now()`
+WHERE status = 'processing' AND (locked_until < now() OR locked_until IS NULL)`
 
 // Backoff returns the delay after the n-th failed attempt (n >= 1).
 func Backoff(n int) time.Duration {

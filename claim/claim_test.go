@@ -351,3 +351,31 @@ func TestUnscannableRowIsIsolated(t *testing.T) {
 		t.Fatalf("good row %+v", r)
 	}
 }
+
+// TestProcessedAtIsHandoffTime: processed_at is stamped after River's
+// insert, not at the start of the batch transaction.
+func TestProcessedAtIsHandoffTime(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, time.Minute)
+	_, err := s.Pool.Exec(ctx, `
+		CREATE TABLE insert_seen (at timestamptz NOT NULL);
+		CREATE FUNCTION note_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			PERFORM pg_sleep(0.05);
+			INSERT INTO insert_seen VALUES (clock_timestamp());
+			RETURN NEW;
+		END $$;
+		CREATE TRIGGER note_insert BEFORE INSERT ON river_job FOR EACH ROW EXECUTE FUNCTION note_insert();`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := publish(t, s.Pool, "mail.user.welcomed")[0]
+	h := newHandoff(t, s.Pool, 6, nil)
+	if res, err := h.Batch(ctx, 10); err != nil || res.Done != 1 {
+		t.Fatalf("batch: %+v, %v", res, err)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event e, insert_seen i WHERE e.id = $1 AND e.processed_at >= i.at`, id); n != 1 {
+		t.Fatal("processed_at is before River's insert: it is not the handoff time")
+	}
+}
