@@ -377,7 +377,7 @@ func (d *Dispatcher) run(ctx context.Context) {
 		// Go idle. With a live listener, take the wake lock, then re-check:
 		// rows committed by producers that skipped NOTIFY are visible now.
 		if d.lis != nil && d.lis.Connected() {
-			held, err := d.lock.acquire(ctx)
+			held, err := d.lock.acquire(ctx, d.stop)
 			if err != nil {
 				d.logger.Warn("outbox wake lock unavailable; relying on polling", slog.String("error", err.Error()))
 			}

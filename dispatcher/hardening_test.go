@@ -4,14 +4,18 @@ import (
 	"context"
 	"encoding/json"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 
 	"github.com/outboxhq/outbox"
 	"github.com/outboxhq/outbox/alert"
+	"github.com/outboxhq/outbox/claim"
 	"github.com/outboxhq/outbox/dispatcher"
 	"github.com/outboxhq/outbox/internal/jsonlimit"
 	"github.com/outboxhq/outbox/internal/pgtest"
@@ -99,4 +103,84 @@ func TestDeepPayloadIsDeadLetteredAndDoesNotStall(t *testing.T) {
 		}
 	}
 	t.Fatal("no worker decoded the job of the payload at the depth limit")
+}
+
+// wakeKeySQL computes the wake lock's second key as the trigger does.
+const wakeKeySQL = `SELECT hashtext('outbox_wake:' || $1)`
+
+// TestSlowCommitDoesNotLoseTheWake: a producer whose commit holds the wake
+// key shared for 4 s while the dispatcher goes idle used to make the
+// dispatcher's lock attempt time out, read that as "another dispatcher is
+// idle" and sleep without the lock: the event waited for the poll (60 s
+// here). It must be handed off right after that commit.
+func TestSlowCommitDoesNotLoseTheWake(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 2*time.Minute)
+
+	producer, err := pgx.Connect(ctx, s.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = producer.Close(context.Background()) })
+	var key int32
+	if err := producer.QueryRow(ctx, wakeKeySQL, s.Name).Scan(&key); err != nil {
+		t.Fatal(err)
+	}
+
+	var (
+		once      sync.Once
+		slowID    atomic.Int64
+		slowTx    pgx.Tx
+		holdingCh = make(chan struct{})
+	)
+	onBatch := func(claim.Result) {
+		// The first batch is done and the dispatcher is about to look once
+		// more and go idle: a producer starts its (slow) commit now, holding
+		// the wake key shared, as the wake trigger does at commit time.
+		once.Do(func() {
+			defer close(holdingCh)
+			tx, err := producer.Begin(ctx)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			res, err := outbox.Publish(ctx, tx, outbox.Event{Type: "mail.user.welcomed", Payload: json.RawMessage(`{}`)})
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			slowID.Store(res.ID)
+			// Blocks until the draining dispatcher has released the lock.
+			if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock_shared(1868720215, $1)`, key); err != nil {
+				t.Error(err)
+				return
+			}
+			slowTx = tx
+		})
+	}
+	start(t, s.Pool, dispatcher.Config{PollInterval: time.Minute, OnBatch: onBatch})
+	idle := func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'
+			AND classid = 1868720215 AND objid = $1::int4::oid AND mode = 'ExclusiveLock' AND granted`, key) == 1
+	}
+	pgtest.WaitFor(t, 30*time.Second, "the dispatcher idle, holding the wake lock", idle)
+
+	pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcomed", Payload: json.RawMessage(`{}`)})
+	select {
+	case <-holdingCh:
+	case <-ctx.Done():
+		t.Fatal("the first batch never ran")
+	}
+	if slowTx == nil {
+		t.FailNow()
+	}
+	// The commit takes 4 s (a slow fsync, a synchronous replica).
+	time.Sleep(4 * time.Second)
+	if err := slowTx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.WaitFor(t, 3*time.Second, "the event behind the slow commit handed off (poll is 60 s)", func() bool {
+		return status(t, s.Pool, slowID.Load()) == "done"
+	})
 }

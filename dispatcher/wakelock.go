@@ -20,9 +20,14 @@ const wakeLockClass = 1868720215
 //
 // Acquiring blocks behind producers that hold the key shared, i.e. that are
 // committing right now without notifying; once it is granted their rows are
-// visible, so the re-check the dispatcher runs next sees them. The wait is
-// bounded by lock_timeout: when another idle dispatcher holds the key, this
-// one gives up and sleeps without it (producers notify all listeners).
+// visible, so the re-check the dispatcher runs next sees them. Each wait is
+// bounded by lock_timeout. A timeout alone does not say who holds the key,
+// so acquire asks pg_locks: when another idle dispatcher holds it
+// exclusively, this one sleeps without it (producers notify, and NOTIFY
+// reaches every listener); when only producers hold it (a slow commit: a
+// slow fsync, a synchronous replica, a deferred trigger), sleeping would
+// miss their rows and every commit after them, so acquire waits again,
+// until it is granted or the dispatcher stops.
 type wakeLock struct {
 	connConfig *pgx.ConnConfig
 	key        int32
@@ -32,8 +37,22 @@ type wakeLock struct {
 	held bool
 }
 
-// acquire tries to take the lock; it reports whether it is held.
-func (w *wakeLock) acquire(ctx context.Context) (bool, error) {
+// wakeHolderSQL reports whether another session holds the wake lock
+// exclusively (an idle dispatcher), as opposed to producers holding it
+// shared. pg_locks shows a two-key advisory lock as classid = first key,
+// objid = second key (as oid), objsubid = 2.
+const wakeHolderSQL = `
+SELECT EXISTS (
+    SELECT 1 FROM pg_locks
+    WHERE locktype = 'advisory'
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND classid = $1::int4::oid AND objid = $2::int4::oid AND objsubid = 2
+      AND mode = 'ExclusiveLock' AND granted AND pid <> pg_backend_pid())`
+
+// acquire takes the lock; it reports whether it is held. It returns false
+// without an error when another idle dispatcher holds the lock or stop is
+// closed, and false with an error when the lock session fails.
+func (w *wakeLock) acquire(ctx context.Context, stop <-chan struct{}) (bool, error) {
 	if w.held {
 		return true, nil
 	}
@@ -51,18 +70,44 @@ func (w *wakeLock) acquire(ctx context.Context) (bool, error) {
 		}
 		w.conn = conn
 	}
+	for {
+		idle, err := w.try(ctx)
+		if err != nil {
+			w.close()
+			return false, err
+		}
+		if w.held || idle {
+			return w.held, nil
+		}
+		// Producers hold the key shared: their commits are under way and
+		// did not notify. Wait again rather than sleep past their rows.
+		select {
+		case <-stop:
+			return false, nil
+		case <-ctx.Done():
+			return false, ctx.Err()
+		default:
+		}
+	}
+}
+
+// try makes one bounded attempt. On lock_timeout it reports whether an idle
+// dispatcher is the holder.
+func (w *wakeLock) try(ctx context.Context) (idle bool, err error) {
 	qctx, cancel := context.WithTimeout(ctx, w.timeout+5*time.Second)
 	defer cancel()
-	_, err := w.conn.Exec(qctx, `SELECT pg_advisory_lock($1, $2)`, wakeLockClass, w.key)
-	if err != nil {
-		if isLockTimeout(err) {
-			return false, nil // another idle dispatcher holds it
-		}
-		w.close()
+	_, err = w.conn.Exec(qctx, `SELECT pg_advisory_lock($1, $2)`, wakeLockClass, w.key)
+	if err == nil {
+		w.held = true
+		return false, nil
+	}
+	if !isLockTimeout(err) {
 		return false, fmt.Errorf("wake lock: %w", err)
 	}
-	w.held = true
-	return true, nil
+	if err := w.conn.QueryRow(qctx, wakeHolderSQL, wakeLockClass, w.key).Scan(&idle); err != nil {
+		return false, fmt.Errorf("wake lock: find the holder: %w", err)
+	}
+	return idle, nil
 }
 
 // release gives the lock up.
