@@ -144,6 +144,19 @@ func (c *Config) validate() error {
 	return nil
 }
 
+// schemaSQL finds the schema that holds the outbox_event the dispatcher's
+// queries resolve to, and derives the wake key and the NOTIFY payload from
+// it exactly as the wake trigger does from TG_TABLE_SCHEMA. current_schema()
+// is not that schema when search_path starts with one that exists but has
+// no outbox (a "$user" schema): the dispatcher would hold another key and
+// filter for another payload, and never wake.
+const schemaSQL = `
+SELECT n.nspname IS NOT NULL, coalesce(n.nspname, ''), coalesce(hashtext('outbox_wake:' || n.nspname), 0),
+       current_setting('search_path')
+FROM (SELECT to_regclass('outbox_event') AS rel) r
+LEFT JOIN pg_class c ON c.oid = r.rel
+LEFT JOIN pg_namespace n ON n.oid = c.relnamespace`
+
 // Stats are cumulative counters.
 type Stats struct {
 	Batches      int64
@@ -238,10 +251,17 @@ func (d *Dispatcher) Start(ctx context.Context) error {
 		return errors.New("dispatcher: already started")
 	}
 
-	var key int32
-	err := d.pool.QueryRow(ctx, `SELECT current_schema(), outbox_wake_lock_key()`).Scan(&d.schema, &key)
+	var (
+		key        int32
+		found      bool
+		searchPath string
+	)
+	err := d.pool.QueryRow(ctx, schemaSQL).Scan(&found, &d.schema, &key, &searchPath)
 	if err != nil {
-		return fmt.Errorf("dispatcher: read schema (has `outboxctl migrate` run on this database?): %w", err)
+		return fmt.Errorf("dispatcher: find the outbox schema: %w", err)
+	}
+	if !found {
+		return fmt.Errorf("dispatcher: no table outbox_event in search_path %q: point DATABASE_URL's search_path at the outbox schema, or run `outboxctl migrate`", searchPath)
 	}
 
 	if !d.cfg.ListenDisabled {

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 
@@ -183,4 +184,84 @@ func TestSlowCommitDoesNotLoseTheWake(t *testing.T) {
 	pgtest.WaitFor(t, 3*time.Second, "the event behind the slow commit handed off (poll is 60 s)", func() bool {
 		return status(t, s.Pool, slowID.Load()) == "done"
 	})
+}
+
+// TestWakeWithUserSchemaFirstInSearchPath: with search_path "$user", <outbox
+// schema> and a schema named after the connecting role, current_schema() is
+// the role's schema while the trigger keys on the outbox schema. The
+// dispatcher used to hold the wrong key and filter the wrong payload, and
+// never woke; it must wake on NOTIFY with the poll a minute away.
+func TestWakeWithUserSchemaFirstInSearchPath(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 2*time.Minute)
+	admin := pgtest.Admin(t)
+
+	role := "u_" + s.Name[2:]
+	if _, err := admin.Exec(ctx, `CREATE ROLE `+role+` LOGIN SUPERUSER; CREATE SCHEMA `+role); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx := context.Background()
+		_, _ = admin.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1`, role)
+		if _, err := admin.Exec(ctx, `DROP SCHEMA `+role+` CASCADE; DROP ROLE `+role); err != nil {
+			t.Logf("drop role %s: %v", role, err)
+		}
+	})
+	cfg, err := pgxpool.ParseConfig(s.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.User = role
+	cfg.ConnConfig.RuntimeParams["search_path"] = `"$user", ` + s.Name
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	var cur string
+	if err := pool.QueryRow(ctx, `SELECT current_schema()`).Scan(&cur); err != nil || cur != role {
+		t.Fatalf("current_schema() = %q, %v; the test needs the role's schema first", cur, err)
+	}
+
+	d := start(t, pool, dispatcher.Config{PollInterval: time.Minute})
+	pgtest.WaitFor(t, 30*time.Second, "the dispatcher idle", func() bool { return d.ListenerConnected() })
+	// Idle: the re-check after taking the wake lock has run once.
+	var key int32
+	if err := s.Pool.QueryRow(ctx, wakeKeySQL, s.Name).Scan(&key); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.WaitFor(t, 30*time.Second, "the dispatcher holding the outbox schema's wake key", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'
+			AND classid = 1868720215 AND objid = $1::int4::oid AND granted`, key) == 1
+	})
+	id := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcomed", Payload: json.RawMessage(`{}`)})[0]
+	pgtest.WaitFor(t, 10*time.Second, "the event handed off on NOTIFY (poll is a minute away)", func() bool {
+		return status(t, s.Pool, id) == "done"
+	})
+}
+
+// TestStartRefusesWithoutOutboxTable: a search_path without outbox_event
+// is refused with a message that names it.
+func TestStartRefusesWithoutOutboxTable(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	cfg, err := pgxpool.ParseConfig(s.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = "pg_temp"
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	d, err := dispatcher.New(pool, dispatcher.Config{Routes: testRoutes(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = d.Start(context.Background())
+	if err == nil || !strings.Contains(err.Error(), "no table outbox_event in search_path") {
+		t.Fatalf("Start: %v; want a refusal naming outbox_event and the search_path", err)
+	}
 }

@@ -9,8 +9,8 @@ import (
 )
 
 // wakeLockClass is the first key of the wake advisory lock; the second is
-// outbox_wake_lock_key() (derived from the schema). The wake trigger uses
-// the same pair.
+// hashtext('outbox_wake:' || schema), where schema holds outbox_event (see
+// schemaSQL). The wake trigger uses the same pair.
 const wakeLockClass = 1868720215
 
 // wakeLock is the session advisory lock an idle dispatcher holds exclusively
