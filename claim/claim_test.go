@@ -379,3 +379,56 @@ func TestProcessedAtIsHandoffTime(t *testing.T) {
 		t.Fatal("processed_at is before River's insert: it is not the handoff time")
 	}
 }
+
+// TestBatchIsBoundedByBytes: a batch stops at the byte budget (always
+// taking one event), says that more are due, and the rest follow in later
+// batches; a payload over the size rule is dead-lettered.
+func TestBatchIsBoundedByBytes(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, time.Minute)
+	// Five payloads of about 320,000 bytes (incompressible), then one of
+	// about 1.5 MiB (over the payload rule, within the table's CHECK).
+	_, err := s.Pool.Exec(ctx, `
+		INSERT INTO outbox_event (event_type, payload, scheduled_at)
+		SELECT 'mail.big.sent', jsonb_build_object('d', (SELECT string_agg(md5(i::text || ':' || g::text), '') FROM generate_series(1, 10000) g)),
+		       now() - make_interval(secs => 100 - i)
+		FROM generate_series(1, 5) i;
+		INSERT INTO outbox_event (event_type, payload, scheduled_at)
+		SELECT 'mail.huge.sent', jsonb_build_object('d', (SELECT string_agg(md5(g::text), '') FROM generate_series(1, 50000) g)), now() - interval '1 second'`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := newHandoff(t, s.Pool, 6, nil)
+	h.BatchBytes = 1 << 20
+	res, err := h.Batch(ctx, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Claimed != 3 || res.Done != 3 || !res.More {
+		t.Fatalf("first batch %+v, want 3 events (3 x 320 kB within 1 MiB) and More", res)
+	}
+	h.BatchBytes = 1024
+	res, err = h.Batch(ctx, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Claimed != 1 || res.Done != 1 || !res.More {
+		t.Fatalf("second batch %+v, want one event over the budget, alone, and More", res)
+	}
+	h.BatchBytes = 0
+	res, err = h.Batch(ctx, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Claimed != 2 || res.Done != 1 || res.Broken != 1 || res.More {
+		t.Fatalf("third batch %+v, want the last normal event done and the huge one broken", res)
+	}
+	var lastErr string
+	if err := s.Pool.QueryRow(ctx, `SELECT last_error FROM outbox_event WHERE event_type = 'mail.huge.sent' AND status = 'failed'`).Scan(&lastErr); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(lastErr, "the payload rule is at most 1048576 bytes") {
+		t.Fatalf("last_error %q", lastErr)
+	}
+}

@@ -38,6 +38,10 @@ type Config struct {
 	Routes *route.Table
 	// BatchSize is the most events claimed per batch. 0 means 100.
 	BatchSize int
+	// BatchBytes bounds the payload bytes (JSON text) of one batch; a batch
+	// always takes at least one event, so a single event larger than the
+	// budget still goes alone. 0 means claim.DefaultBatchBytes (4 MiB).
+	BatchBytes int
 	// Concurrency is the most batches in flight at once while draining; a
 	// drain starts with two and adds one while that raises its rate (see
 	// drainParallel). 0 means 10.
@@ -90,6 +94,9 @@ func (c *Config) setDefaults() {
 	if c.BatchSize == 0 {
 		c.BatchSize = 100
 	}
+	if c.BatchBytes == 0 {
+		c.BatchBytes = claim.DefaultBatchBytes
+	}
 	if c.Concurrency == 0 {
 		c.Concurrency = 10
 	}
@@ -134,6 +141,8 @@ func (c *Config) validate() error {
 		return errors.New("dispatcher: Routes is required: the dispatcher refuses to start without routes")
 	case c.BatchSize < 1 || c.BatchSize > 10000:
 		return fmt.Errorf("dispatcher: BatchSize must be 1..10000, got %d", c.BatchSize)
+	case c.BatchBytes < 1:
+		return fmt.Errorf("dispatcher: BatchBytes must be positive, got %d", c.BatchBytes)
 	case c.Concurrency < 1 || c.Concurrency > 1000:
 		return fmt.Errorf("dispatcher: Concurrency must be 1..1000, got %d", c.Concurrency)
 	case c.PollInterval < time.Millisecond:
@@ -218,6 +227,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 			River:             rc,
 			Routes:            cfg.Routes,
 			MaxRetries:        cfg.MaxRetries,
+			BatchBytes:        cfg.BatchBytes,
 			Alerter:           cfg.Alerter,
 			SynchronousCommit: cfg.SynchronousCommit,
 		},
@@ -402,7 +412,7 @@ func (d *Dispatcher) run(ctx context.Context) {
 				d.logger.Warn("outbox wake lock unavailable; relying on polling", slog.String("error", err.Error()))
 			}
 			if held {
-				n, err := d.pass(ctx, false)
+				n, _, err := d.pass(ctx, false)
 				if err != nil || n > 0 {
 					// Work arrived: drain without the lock (busy
 					// dispatchers must not make producers notify).
@@ -461,8 +471,8 @@ func (d *Dispatcher) drain(ctx context.Context) (int, error) {
 	// far (claim.BatchAfter), skipping the dead index entries the drain
 	// leaves behind. Whatever they skip, the next drain's first pass finds.
 	d.resume.Store(nil)
-	n, err := d.pass(ctx, false)
-	if err != nil || n < d.cfg.BatchSize || d.stopping() {
+	n, full, err := d.pass(ctx, false)
+	if err != nil || !full || d.stopping() {
 		return n, err
 	}
 	more, err := d.drainParallel(ctx)
@@ -500,13 +510,13 @@ func (d *Dispatcher) drainParallel(ctx context.Context) (int, error) {
 					return
 				default:
 				}
-				n, err := d.pass(ctx, true)
+				n, full, err := d.pass(ctx, true)
 				claimed.Add(int64(n))
 				if err != nil {
 					errOnce.Do(func() { first = err })
 					return
 				}
-				if n < d.cfg.BatchSize {
+				if !full {
 					return
 				}
 			}
@@ -553,9 +563,10 @@ func (d *Dispatcher) drainParallel(ctx context.Context) (int, error) {
 	return int(claimed.Load()), first
 }
 
-// pass runs one batch and returns how many events it claimed.
+// pass runs one batch and returns how many events it claimed and whether
+// the batch was full (by count, or cut by the byte budget with more due).
 // With resume, it claims after the furthest position claimed in this drain.
-func (d *Dispatcher) pass(ctx context.Context, resume bool) (int, error) {
+func (d *Dispatcher) pass(ctx context.Context, resume bool) (int, bool, error) {
 	bctx, cancel := context.WithTimeout(ctx, d.cfg.BatchTimeout)
 	defer cancel()
 	var (
@@ -568,7 +579,7 @@ func (d *Dispatcher) pass(ctx context.Context, resume bool) (int, error) {
 		res, err = d.handoff.Batch(bctx, d.cfg.BatchSize)
 	}
 	if err != nil {
-		return 0, err
+		return 0, false, err
 	}
 	if res.Claimed > 0 {
 		for {
@@ -596,7 +607,7 @@ func (d *Dispatcher) pass(ctx context.Context, resume bool) (int, error) {
 				slog.Int("retried", res.Retried), slog.Int("dead_lettered", res.DeadLettered))
 		}
 	}
-	return res.Claimed, nil
+	return res.Claimed, res.Claimed >= d.cfg.BatchSize || res.More, nil
 }
 
 func (d *Dispatcher) rescue(ctx context.Context) {
