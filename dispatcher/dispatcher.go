@@ -21,6 +21,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -166,6 +167,65 @@ FROM (SELECT to_regclass('outbox_event') AS rel) r
 LEFT JOIN pg_class c ON c.oid = r.rel
 LEFT JOIN pg_namespace n ON n.oid = c.relnamespace`
 
+// SynchronousCommitOff is the alert raised at start-up when River workers
+// may commit without flushing the WAL while the handoff does not wait for
+// its flush either (see checkSynchronousCommit).
+const SynchronousCommitOff alert.Reason = "synchronous_commit_off"
+
+// syncCommitSQL lists where synchronous_commit is off or local for sessions
+// on this database: this session (server default, database and role
+// defaults and connection options all resolved), and every database- or
+// role-level default that applies to this database (workers may connect as
+// another role).
+const syncCommitSQL = `
+SELECT 'this session (' || current_user || ')', current_setting('synchronous_commit')
+WHERE current_setting('synchronous_commit') IN ('off', 'local')
+UNION ALL
+SELECT CASE WHEN s.setrole = 0 THEN 'database ' || current_database() || ' (ALTER DATABASE … SET)'
+            WHEN s.setdatabase = 0 THEN 'role ' || r.rolname || ' (ALTER ROLE … SET)'
+            ELSE 'role ' || r.rolname || ' in database ' || current_database() || ' (ALTER ROLE … IN DATABASE … SET)' END,
+       split_part(c.cfg, '=', 2)
+FROM pg_db_role_setting s
+LEFT JOIN pg_roles r ON r.oid = s.setrole
+CROSS JOIN LATERAL unnest(s.setconfig) AS c(cfg)
+WHERE s.setdatabase IN (0, (SELECT oid FROM pg_database WHERE datname = current_database()))
+  AND lower(split_part(c.cfg, '=', 1)) = 'synchronous_commit'
+  AND lower(split_part(c.cfg, '=', 2)) IN ('off', 'local', 'false', 'no', '0')`
+
+// checkSynchronousCommit warns (log and alert) when River workers may
+// commit with synchronous_commit off or local. The handoff skips its own
+// WAL flush (SynchronousCommit false) and stays exactly-once only because a
+// worker's synchronous commit flushes the WAL up to and past it; a worker
+// that commits asynchronously can run a job whose handoff a crash then
+// loses, and the event is handed off again (local also loses that guarantee
+// on a failover to a synchronous standby). The check cannot see the
+// settings a worker's own connection string sets; it never stops the start.
+func (d *Dispatcher) checkSynchronousCommit(ctx context.Context) {
+	qctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	rows, err := d.pool.Query(qctx, syncCommitSQL)
+	if err != nil {
+		d.logger.Info("outbox could not check synchronous_commit", slog.String("error", err.Error()))
+		return
+	}
+	type finding struct{ where, value string }
+	found, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (finding, error) {
+		var f finding
+		return f, r.Scan(&f.where, &f.value)
+	})
+	if err != nil {
+		d.logger.Info("outbox could not check synchronous_commit", slog.String("error", err.Error()))
+		return
+	}
+	for _, f := range found {
+		msg := fmt.Sprintf("synchronous_commit is %s for %s: River workers that commit without flushing the WAL break the exactly-once handoff, "+
+			"because handoff commits skip their own flush; set OUTBOX_DISPATCH_SYNCHRONOUS_COMMIT=true or make the workers commit with synchronous_commit=on "+
+			"(docs/architecture.md, \"Commit durability\")", f.value, f.where)
+		d.logger.Warn("outbox WARNING: "+msg, slog.String("where", f.where), slog.String("synchronous_commit", f.value))
+		d.cfg.Alerter.Alert(ctx, alert.Alert{Reason: SynchronousCommitOff, Message: msg})
+	}
+}
+
 // Stats are cumulative counters.
 type Stats struct {
 	Batches      int64
@@ -272,6 +332,10 @@ func (d *Dispatcher) Start(ctx context.Context) error {
 	}
 	if !found {
 		return fmt.Errorf("dispatcher: no table outbox_event in search_path %q: point DATABASE_URL's search_path at the outbox schema, or run `outboxctl migrate`", searchPath)
+	}
+
+	if !d.cfg.SynchronousCommit {
+		d.checkSynchronousCommit(ctx)
 	}
 
 	if !d.cfg.ListenDisabled {

@@ -3,6 +3,7 @@ package dispatcher_test
 import (
 	"context"
 	"encoding/json"
+	"log/slog"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -20,6 +21,7 @@ import (
 	"github.com/outboxhq/outbox/dispatcher"
 	"github.com/outboxhq/outbox/internal/jsonlimit"
 	"github.com/outboxhq/outbox/internal/pgtest"
+	"github.com/outboxhq/outbox/internal/proctest"
 	outboxriver "github.com/outboxhq/outbox/river"
 )
 
@@ -263,5 +265,40 @@ func TestStartRefusesWithoutOutboxTable(t *testing.T) {
 	err = d.Start(context.Background())
 	if err == nil || !strings.Contains(err.Error(), "no table outbox_event in search_path") {
 		t.Fatalf("Start: %v; want a refusal naming outbox_event and the search_path", err)
+	}
+}
+
+// TestWarnsWhenWorkersMayCommitAsynchronously: a dispatcher whose sessions
+// run with synchronous_commit=off (as River workers on the same settings
+// would) warns loudly and alerts at start-up, since the asynchronous handoff
+// is exactly-once only while workers commit synchronously.
+func TestWarnsWhenWorkersMayCommitAsynchronously(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	cfg, err := pgxpool.ParseConfig(s.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["synchronous_commit"] = "off"
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	logs := &proctest.SyncBuffer{}
+	al := &alerts{}
+	start(t, pool, dispatcher.Config{Alerter: al, Logger: slog.New(slog.NewTextHandler(logs, nil)), ListenDisabled: true})
+	if !strings.Contains(logs.String(), "level=WARN") || !strings.Contains(logs.String(), "synchronous_commit is off for this session") {
+		t.Fatalf("no warning about synchronous_commit in:\n%s", logs.String())
+	}
+	if got := al.byReason(dispatcher.SynchronousCommitOff); len(got) != 1 {
+		t.Fatalf("alerts %+v, want one %s", got, dispatcher.SynchronousCommitOff)
+	}
+
+	// With the handoff committing synchronously there is nothing to warn about.
+	logs2 := &proctest.SyncBuffer{}
+	start(t, pool, dispatcher.Config{Logger: slog.New(slog.NewTextHandler(logs2, nil)), ListenDisabled: true, SynchronousCommit: true})
+	if strings.Contains(logs2.String(), "synchronous_commit is") {
+		t.Fatalf("warned although the handoff commits synchronously:\n%s", logs2.String())
 	}
 }
