@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -240,7 +241,12 @@ type Handoff struct {
 	// BatchBytes bounds the payload bytes of one batch (see budgeted); a
 	// batch always takes at least one event. 0 means DefaultBatchBytes.
 	BatchBytes int
-	Alerter    alert.Alerter
+	// Timeout bounds each transaction (a batch, and each event-by-event
+	// retry on its own). A batch that times out is retried event by event;
+	// an event that times out alone TimeoutsBeforeCharge times in a row is
+	// charged a failed attempt. 0 means no bound of its own.
+	Timeout time.Duration
+	Alerter alert.Alerter
 	// SynchronousCommit makes the batch transaction wait for its WAL flush.
 	// By default it does not (synchronous_commit off for the transaction): the
 	// handoff stays exactly-once because a River worker can only start a
@@ -249,6 +255,9 @@ type Handoff struct {
 	// batch as a whole (events pending again, no jobs), never half of it.
 	// Set it when workers run with synchronous_commit = off themselves.
 	SynchronousCommit bool
+
+	mu       sync.Mutex
+	timeouts map[int64]int // lone timeouts in a row, by event id
 }
 
 // Result summarises one batch.
@@ -268,6 +277,9 @@ type Result struct {
 	Retried int
 	// DeadLettered events failed for the last time.
 	DeadLettered int
+	// TimedOut events timed out alone in their transaction (they stay
+	// pending, or are counted in Retried or DeadLettered when charged).
+	TimedOut int
 	// Skipped events were claimed by another dispatcher during the
 	// event-by-event retry.
 	Skipped int
@@ -302,6 +314,7 @@ func (r *Result) add(o Result) {
 	r.Retried += o.Retried
 	r.DeadLettered += o.DeadLettered
 	r.Skipped += o.Skipped
+	r.TimedOut += o.TimedOut
 	r.Handed = append(r.Handed, o.Handed...)
 }
 
@@ -335,7 +348,9 @@ func (h *Handoff) batch(ctx context.Context, sql string, args ...any) (Result, e
 	}
 	defer conn.Release()
 
-	tx, events, err := h.begin(ctx, conn.Conn(), sql, args...)
+	tctx, cancel := h.txContext(ctx)
+	defer cancel()
+	tx, events, err := h.begin(tctx, conn.Conn(), sql, args...)
 	if err != nil {
 		return res, err
 	}
@@ -347,28 +362,47 @@ func (h *Handoff) batch(ctx context.Context, sql string, args ...any) (Result, e
 	}
 	if len(events) == 0 {
 		// Nothing locked, nothing written.
-		return res, tx.commitWith(ctx, nil)
+		return res, tx.commitWith(tctx, nil)
 	}
 
-	batchRes, unroutable, err := h.handoff(ctx, tx, events)
+	batchRes, unroutable, err := h.handoff(tctx, tx, events)
 	if err != nil {
 		if ctx.Err() != nil {
 			return res, err
 		}
-		_ = tx.Rollback(ctx)
-		if IsTransient(err) {
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		timeout := timedOut(ctx, tctx, err)
+		if timeout {
+			h.reap(ctx, conn.Conn())
+		}
+		if IsTransient(err) && !timeout {
 			// The database, not an event, is at fault: charge no event a
 			// retry; the events stay pending and the loop backs off.
 			return res, err
 		}
-		// Poison isolation: retry each event alone.
+		if timeout && len(events) == 1 {
+			one, err := h.loneTimeout(ctx, events[0], err)
+			res.add(one)
+			return res, err
+		}
+		// Poison isolation: retry each event alone. After a timeout this
+		// also finds the slow event; two lone timeouts in a row say the
+		// database itself is slow, and the loop backs off instead.
 		res.Fallback = true
+		inARow := 0
 		for _, e := range events {
-			one, oneErr := h.One(ctx, e.ID, err)
+			one, oneErr := h.one(ctx, e.ID, err)
+			res.add(one)
 			if oneErr != nil {
 				return res, oneErr
 			}
-			res.add(one)
+			if one.TimedOut == 0 {
+				inARow = 0
+				continue
+			}
+			if inARow++; inARow == 2 {
+				return res, fmt.Errorf("claim: two events in a row timed out alone, the database is slow: %w", err)
+			}
 		}
 		return res, nil
 	}
@@ -380,6 +414,10 @@ func (h *Handoff) batch(ctx context.Context, sql string, args ...any) (Result, e
 // One hands off a single event in its own transaction; batchErr is the
 // error that made its batch fail, recorded if this attempt fails too.
 func (h *Handoff) One(ctx context.Context, id int64, batchErr error) (Result, error) {
+	return h.one(ctx, id, batchErr)
+}
+
+func (h *Handoff) one(ctx context.Context, id int64, batchErr error) (Result, error) {
 	var res Result
 	conn, err := h.Pool.Acquire(ctx)
 	if err != nil {
@@ -387,26 +425,38 @@ func (h *Handoff) One(ctx context.Context, id int64, batchErr error) (Result, er
 	}
 	defer conn.Release()
 
-	tx, events, err := h.begin(ctx, conn.Conn(), claimOneSQL, id, 0, outbox.MaxPayloadBytes)
+	tctx, cancel := h.txContext(ctx)
+	defer cancel()
+	tx, events, err := h.begin(tctx, conn.Conn(), claimOneSQL, id, 0, outbox.MaxPayloadBytes)
 	if err != nil {
 		return res, err
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	if len(events) == 0 {
 		res.Skipped = 1
-		return res, tx.commitWith(ctx, nil)
+		return res, tx.commitWith(tctx, nil)
 	}
 	res.Claimed = 1
-	oneRes, unroutable, err := h.handoff(ctx, tx, events)
+	oneRes, unroutable, err := h.handoff(tctx, tx, events)
 	if err == nil {
+		h.forgetTimeouts(id)
 		res.add(oneRes)
 		h.alertUnroutable(ctx, unroutable)
 		return res, nil
 	}
-	if ctx.Err() != nil || IsTransient(err) {
+	if ctx.Err() != nil {
 		return res, err
 	}
-	_ = tx.Rollback(ctx)
+	_ = tx.Rollback(context.WithoutCancel(ctx))
+	if timedOut(ctx, tctx, err) {
+		h.reap(ctx, conn.Conn())
+		one, err := h.loneTimeout(ctx, events[0], err)
+		res.add(one)
+		return res, err
+	}
+	if IsTransient(err) {
+		return res, err
+	}
 	if batchErr != nil && !errors.Is(err, batchErr) {
 		err = fmt.Errorf("%w (batch: %w)", err, batchErr)
 	}
@@ -420,6 +470,88 @@ func (h *Handoff) One(ctx context.Context, id int64, batchErr error) (Result, er
 		res.Retried = 1
 	}
 	return res, nil
+}
+
+// TimeoutsBeforeCharge is how many times in a row an event's handoff may
+// time out with the event alone in its transaction before the timeout
+// counts as a failed attempt of that event (retries+1, backoff, and in the
+// end the dead letter). Fewer are not charged: a lone timeout can also be a
+// passing slowness of the database.
+const TimeoutsBeforeCharge = 3
+
+// loneTimeout records that e's handoff timed out with e alone in its
+// transaction; the TimeoutsBeforeCharge-th time in a row it is charged to e.
+// The count lives in this Handoff (a restart forgets it).
+func (h *Handoff) loneTimeout(ctx context.Context, e Event, cause error) (Result, error) {
+	res := Result{TimedOut: 1}
+	h.mu.Lock()
+	if h.timeouts == nil || len(h.timeouts) > 10000 {
+		h.timeouts = map[int64]int{}
+	}
+	h.timeouts[e.ID]++
+	n := h.timeouts[e.ID]
+	if n >= TimeoutsBeforeCharge {
+		delete(h.timeouts, e.ID)
+	}
+	h.mu.Unlock()
+	if n < TimeoutsBeforeCharge {
+		return res, nil
+	}
+	failed, err := h.recordFailure(ctx, e, fmt.Errorf("handoff timed out %d times in a row with the event alone in its transaction (the River insert or the update of this event blocks or is too slow): %w", n, cause))
+	if err != nil {
+		return res, err
+	}
+	if failed {
+		res.DeadLettered = 1
+	} else {
+		res.Retried = 1
+	}
+	return res, nil
+}
+
+func (h *Handoff) forgetTimeouts(id int64) {
+	h.mu.Lock()
+	delete(h.timeouts, id)
+	h.mu.Unlock()
+}
+
+// reap ends the server session of a transaction that timed out when the
+// client gave up on it (pgx closes the connection when the cancel request
+// does not take effect in time): the session may still run the blocked
+// statement and hold the claimed rows' locks, and the event-by-event retry
+// and the next batch would skip them (SKIP LOCKED) until it ends.
+func (h *Handoff) reap(ctx context.Context, conn *pgx.Conn) {
+	if !conn.IsClosed() {
+		return // rolled back: the locks are gone
+	}
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	_, _ = h.Pool.Exec(rctx, `SELECT pg_terminate_backend($1, 5000)`, int32(conn.PgConn().PID()))
+}
+
+// txContext bounds one transaction by Timeout.
+func (h *Handoff) txContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	if h.Timeout > 0 {
+		return context.WithTimeout(ctx, h.Timeout)
+	}
+	return context.WithCancel(ctx)
+}
+
+// timedOut reports whether err ended a transaction because it ran out of
+// time (its own deadline tctx, or the server's statement_timeout or
+// lock_timeout) while the caller's ctx is still live.
+func timedOut(ctx, tctx context.Context, err error) bool {
+	if ctx.Err() != nil {
+		return false
+	}
+	if tctx.Err() != nil {
+		return true
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code == "57014" || pgErr.Code == "55P03"
+	}
+	return errors.Is(err, context.DeadlineExceeded) || pgconn.Timeout(err)
 }
 
 // begin opens the batch transaction and claims, in one round trip.

@@ -56,7 +56,8 @@ type Config struct {
 	// failure dead-letters an event. 0 means 6; use a negative value for
 	// "dead-letter on the first failure".
 	MaxRetries int
-	// BatchTimeout bounds one batch transaction. 0 means 30 s.
+	// BatchTimeout bounds one batch transaction, and each event-by-event
+	// retry (see claim.Handoff.Timeout). 0 means 30 s.
 	BatchTimeout time.Duration
 	// RiverFetchCooldown is the insert NOTIFY debounce of the dispatcher's
 	// insert-only River client. 0 means outboxriver.DefaultFetchCooldown.
@@ -288,6 +289,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 			Routes:            cfg.Routes,
 			MaxRetries:        cfg.MaxRetries,
 			BatchBytes:        cfg.BatchBytes,
+			Timeout:           cfg.BatchTimeout,
 			Alerter:           cfg.Alerter,
 			SynchronousCommit: cfg.SynchronousCommit,
 		},
@@ -631,16 +633,17 @@ func (d *Dispatcher) drainParallel(ctx context.Context) (int, error) {
 // the batch was full (by count, or cut by the byte budget with more due).
 // With resume, it claims after the furthest position claimed in this drain.
 func (d *Dispatcher) pass(ctx context.Context, resume bool) (int, bool, error) {
-	bctx, cancel := context.WithTimeout(ctx, d.cfg.BatchTimeout)
-	defer cancel()
+	// Each transaction of the pass is bounded by BatchTimeout
+	// (claim.Handoff.Timeout), so that a batch that times out can be
+	// retried event by event to find the slow event.
 	var (
 		res claim.Result
 		err error
 	)
 	if at := d.resume.Load(); resume && at != nil {
-		res, err = d.handoff.BatchAfter(bctx, d.cfg.BatchSize, *at)
+		res, err = d.handoff.BatchAfter(ctx, d.cfg.BatchSize, *at)
 	} else {
-		res, err = d.handoff.Batch(bctx, d.cfg.BatchSize)
+		res, err = d.handoff.Batch(ctx, d.cfg.BatchSize)
 	}
 	if err != nil {
 		return 0, false, err
@@ -668,7 +671,8 @@ func (d *Dispatcher) pass(ctx context.Context, resume bool) (int, bool, error) {
 		if res.Fallback {
 			d.logger.Warn("outbox batch failed; retried event by event",
 				slog.Int("claimed", res.Claimed), slog.Int("done", res.Done),
-				slog.Int("retried", res.Retried), slog.Int("dead_lettered", res.DeadLettered))
+				slog.Int("retried", res.Retried), slog.Int("dead_lettered", res.DeadLettered),
+				slog.Int("timed_out", res.TimedOut), slog.Int("skipped", res.Skipped))
 		}
 	}
 	return res.Claimed, res.Claimed >= d.cfg.BatchSize || res.More, nil

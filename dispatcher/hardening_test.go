@@ -302,3 +302,47 @@ func TestWarnsWhenWorkersMayCommitAsynchronously(t *testing.T) {
 		t.Fatalf("warned although the handoff commits synchronously:\n%s", logs2.String())
 	}
 }
+
+// TestHandoffThatAlwaysTimesOutIsChargedToItsEvent: an event whose River
+// insert always blocks used to time its batch out forever, treated as the
+// database's fault: it and every event in its batch stalled. The batch is
+// now retried event by event, the others are handed off, and after
+// claim.TimeoutsBeforeCharge lone timeouts the slow event is charged a
+// failed attempt (retries+1, backoff, last_error).
+func TestHandoffThatAlwaysTimesOutIsChargedToItsEvent(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 2*time.Minute)
+	_, err := s.Pool.Exec(ctx, `
+		CREATE FUNCTION slow_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			IF NEW.args->>'event_type' = 'poison.slow.sent' THEN
+				PERFORM pg_sleep(60);
+			END IF;
+			RETURN NEW;
+		END $$;
+		CREATE TRIGGER slow_insert BEFORE INSERT ON river_job FOR EACH ROW EXECUTE FUNCTION slow_insert();`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	slow := pgtest.Publish(t, s.Pool, outbox.Event{Type: "poison.slow.sent", Payload: json.RawMessage(`{}`)})[0]
+	others := pgtest.Publish(t, s.Pool,
+		outbox.Event{Type: "mail.user.welcomed", Payload: json.RawMessage(`{}`)},
+		outbox.Event{Type: "mail.user.welcomed", Payload: json.RawMessage(`{}`)})
+
+	start(t, s.Pool, dispatcher.Config{BatchTimeout: time.Second, PollInterval: 100 * time.Millisecond})
+	pgtest.WaitFor(t, 30*time.Second, "the events batched with the slow one handed off", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE id = ANY($1) AND status = 'done'`, others) == len(others)
+	})
+	pgtest.WaitFor(t, 60*time.Second, "the slow event charged a failed attempt", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT retries FROM outbox_event WHERE id = $1`, slow) == 1
+	})
+	var st, lastErr string
+	var later bool
+	if err := s.Pool.QueryRow(ctx, `SELECT status::text, last_error, scheduled_at > now() FROM outbox_event WHERE id = $1`, slow).Scan(&st, &lastErr, &later); err != nil {
+		t.Fatal(err)
+	}
+	if st != "pending" || !later || !strings.Contains(lastErr, "timed out 3 times in a row") {
+		t.Fatalf("slow event: status %s, rescheduled %v, last_error %q", st, later, lastErr)
+	}
+}
