@@ -473,11 +473,17 @@ func (d *Dispatcher) run(ctx context.Context) {
 		// Go idle. With a live listener, take the wake lock, then re-check:
 		// rows committed by producers that skipped NOTIFY are visible now.
 		if d.lis != nil && d.lis.Connected() {
-			held, err := d.lock.acquire(ctx, d.stop)
+			got, err := d.lock.acquire(ctx)
 			if err != nil {
 				d.logger.Warn("outbox wake lock unavailable; relying on polling", slog.String("error", err.Error()))
 			}
-			if held {
+			if got == lockProducers {
+				// Producers are committing without NOTIFY and hold the
+				// key past lock_timeout: sleeping now would miss their
+				// rows. Look for work again, then retry the lock.
+				continue
+			}
+			if got == lockHeld {
 				n, _, err := d.pass(ctx, false)
 				if err != nil || n > 0 {
 					// Work arrived: drain without the lock (busy

@@ -26,8 +26,10 @@ const wakeLockClass = 1868720215
 // exclusively, this one sleeps without it (producers notify, and NOTIFY
 // reaches every listener); when only producers hold it (a slow commit: a
 // slow fsync, a synchronous replica, a deferred trigger), sleeping would
-// miss their rows and every commit after them, so acquire waits again,
-// until it is granted or the dispatcher stops.
+// miss their rows and every commit after them, so the dispatcher must not
+// sleep: it looks for work once more and tries again (a commit that never
+// ends, e.g. behind a synchronous standby that is down, must not stop the
+// dispatcher from handing off everything else meanwhile).
 type wakeLock struct {
 	connConfig *pgx.ConnConfig
 	key        int32
@@ -49,12 +51,23 @@ SELECT EXISTS (
       AND classid = $1::int4::oid AND objid = $2::int4::oid AND objsubid = 2
       AND mode = 'ExclusiveLock' AND granted AND pid <> pg_backend_pid())`
 
-// acquire takes the lock; it reports whether it is held. It returns false
-// without an error when another idle dispatcher holds the lock or stop is
-// closed, and false with an error when the lock session fails.
-func (w *wakeLock) acquire(ctx context.Context, stop <-chan struct{}) (bool, error) {
+// acquireResult is the outcome of acquire.
+type acquireResult int
+
+const (
+	// lockHeld: the lock is held; re-check, then sleep.
+	lockHeld acquireResult = iota
+	// lockIdleElsewhere: another idle dispatcher holds it; sleep without.
+	lockIdleElsewhere
+	// lockProducers: producers hold it shared (commits under way that did
+	// not notify): do not sleep; look for work and try again.
+	lockProducers
+)
+
+// acquire makes one attempt, bounded by lock_timeout, to take the lock.
+func (w *wakeLock) acquire(ctx context.Context) (acquireResult, error) {
 	if w.held {
-		return true, nil
+		return lockHeld, nil
 	}
 	if w.conn == nil || w.conn.IsClosed() {
 		cfg := w.connConfig.Copy()
@@ -66,28 +79,21 @@ func (w *wakeLock) acquire(ctx context.Context, stop <-chan struct{}) (bool, err
 		conn, err := pgx.ConnectConfig(cctx, cfg)
 		cancel()
 		if err != nil {
-			return false, fmt.Errorf("wake lock: connect: %w", err)
+			return lockIdleElsewhere, fmt.Errorf("wake lock: connect: %w", err)
 		}
 		w.conn = conn
 	}
-	for {
-		idle, err := w.try(ctx)
-		if err != nil {
-			w.close()
-			return false, err
-		}
-		if w.held || idle {
-			return w.held, nil
-		}
-		// Producers hold the key shared: their commits are under way and
-		// did not notify. Wait again rather than sleep past their rows.
-		select {
-		case <-stop:
-			return false, nil
-		case <-ctx.Done():
-			return false, ctx.Err()
-		default:
-		}
+	idle, err := w.try(ctx)
+	switch {
+	case err != nil:
+		w.close()
+		return lockIdleElsewhere, err
+	case w.held:
+		return lockHeld, nil
+	case idle:
+		return lockIdleElsewhere, nil
+	default:
+		return lockProducers, nil
 	}
 }
 
