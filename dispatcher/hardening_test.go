@@ -178,8 +178,19 @@ func TestSlowCommitDoesNotLoseTheWake(t *testing.T) {
 	if slowTx == nil {
 		t.FailNow()
 	}
-	// The commit takes 4 s (a slow fsync, a synchronous replica).
-	time.Sleep(4 * time.Second)
+	held := time.Now()
+	pgtest.WaitFor(t, 3*time.Second, "the dispatcher queued for the wake key", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'
+			AND classid = 1868720215 AND objid = $1::int4::oid AND mode = 'ExclusiveLock' AND NOT granted`, key) == 1
+	})
+	// Meanwhile another producer commits: the dispatcher, queued for the
+	// key, makes it notify, and must not be stuck behind the slow commit.
+	other := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcomed", Payload: json.RawMessage(`{}`)})[0]
+	pgtest.WaitFor(t, 3*time.Second, "an event committed during the slow commit handed off", func() bool {
+		return status(t, s.Pool, other) == "done"
+	})
+	// The slow commit takes 4 s (a slow fsync, a synchronous replica).
+	time.Sleep(time.Until(held.Add(4 * time.Second)))
 	if err := slowTx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
