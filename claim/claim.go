@@ -16,29 +16,41 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"sync"
 	"time"
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 
+	"github.com/outboxhq/outbox"
 	"github.com/outboxhq/outbox/alert"
+	"github.com/outboxhq/outbox/internal/jsonlimit"
 	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
 )
 
 // Event is a claimed outbox row.
 type Event struct {
-	ID          int64
-	Type        string
-	TenantID    *string
+	ID       int64
+	Type     string
+	TenantID *string
+	// Payload holds the jsonb's text exactly as the server sent it: the
+	// dispatcher only forwards it and never decodes it (a payload Go's
+	// decoder refuses must not fail the claim of a whole batch).
 	Payload     json.RawMessage
 	DispatchKey *string
 	Retries     int
 	CreatedAt   time.Time
 	ScheduledAt time.Time
+
+	// fault says why this row cannot be handed off (see rowFault), or "".
+	fault string
+	// more: the byte budget left locked rows out of this batch.
+	more bool
 }
 
 // Position is a place in claim order, (scheduled_at, id).
@@ -58,9 +70,10 @@ func (p Position) After(q Position) bool {
 // concurrent dispatchers take disjoint batches. The rows stay locked until
 // the batch transaction ends, so no 'processing' state is written: the
 // status goes straight from pending to done (or failed) in the same
-// transaction, one UPDATE per row instead of two.
+// transaction, one UPDATE per row instead of two. budgeted wraps it to
+// bound the batch by payload bytes.
 const claimSQL = `
-SELECT id, event_type, tenant_id, payload, dispatch_key, retries, created_at, scheduled_at
+SELECT ` + claimColumns + `
 FROM outbox_event
 WHERE status = 'pending' AND scheduled_at <= now()
 ORDER BY scheduled_at, id
@@ -76,12 +89,62 @@ FOR UPDATE SKIP LOCKED`
 // rolled-back batch) are found by the next full claim, which every drain
 // starts with.
 const claimAfterSQL = `
-SELECT id, event_type, tenant_id, payload, dispatch_key, retries, created_at, scheduled_at
+SELECT ` + claimColumns + `
 FROM outbox_event
-WHERE status = 'pending' AND scheduled_at <= now() AND (scheduled_at, id) > ($2, $3)
+WHERE status = 'pending' AND scheduled_at <= now() AND (scheduled_at, id) > ($4, $5)
 ORDER BY scheduled_at, id
 LIMIT $1
 FOR UPDATE SKIP LOCKED`
+
+const claimColumns = `id, event_type, tenant_id, payload, dispatch_key, retries, created_at, scheduled_at`
+
+// budgeted bounds a claim by payload bytes as well as by count: of the rows
+// the locking query (claimSQL, claimAfterSQL) returns, in claim order, it
+// keeps those whose running sum of payload sizes stays within $2 bytes, and
+// always the first. The size is the payload's JSON text (what the server
+// sends and the dispatcher holds in memory), but computing that text costs
+// a detoast and a conversion of every row, so a first cut uses the stored
+// size (pg_column_size, read from the row or its TOAST pointer without
+// fetching the value) and only the rows that survive it are measured
+// exactly and cut again. Small payloads (stored in at most 2,000 bytes, so
+// inline and uncompressed, their text far below the payload limit) count
+// their stored size: measuring their text cost a 100-event claim 60 % more
+// time for no gain in the bound. Rows locked but cut are not written: they
+// stay pending and the next batch (or another dispatcher once this
+// transaction ends) takes them; has_next on the last row returned says
+// locked rows were cut, so a drain goes on. A payload larger than $3 bytes
+// is not sent at all (NULL), only its size: the row is dead-lettered.
+func budgeted(locking string) string {
+	return `
+SELECT id, event_type, tenant_id, CASE WHEN size > $3 THEN NULL ELSE payload END, size,
+       dispatch_key, retries, created_at, scheduled_at, has_next
+FROM (
+    SELECT s.*, sum(s.size) OVER w AS size_upto, row_number() OVER w AS n2
+    FROM (
+        SELECT ` + claimColumns + `, has_next,
+               CASE WHEN stored <= 2000 THEN stored ELSE octet_length(c.payload::text) END AS size
+        FROM (
+            SELECT l.*, pg_column_size(l.payload) AS stored,
+                   sum(pg_column_size(l.payload)) OVER w AS stored_upto,
+                   row_number() OVER w AS n1, lead(l.id) OVER w IS NOT NULL AS has_next
+            FROM (` + locking + `) l
+            WINDOW w AS (ORDER BY scheduled_at, id)
+        ) c
+        WHERE c.n1 = 1 OR c.stored_upto <= $2
+    ) s
+    WINDOW w AS (ORDER BY scheduled_at, id)
+) f
+WHERE f.n2 = 1 OR f.size_upto <= $2
+ORDER BY scheduled_at, id`
+}
+
+var (
+	budgetedClaimSQL      = budgeted(claimSQL)
+	budgetedClaimAfterSQL = budgeted(claimAfterSQL)
+)
+
+// DefaultBatchBytes is the default payload byte budget of one batch.
+const DefaultBatchBytes = 4 << 20
 
 // planSettingsSQL keeps the claim an ordered scan of the claim index that
 // stops at LIMIT. Handed-off rows leave dead entries in that index until
@@ -96,24 +159,36 @@ const planSettingsSQL = `SELECT set_config('enable_bitmapscan', 'off', true), se
 // (Handoff.SynchronousCommit false), in the same statement.
 const asyncPlanSettingsSQL = `SELECT set_config('enable_bitmapscan', 'off', true), set_config('enable_seqscan', 'off', true), set_config('synchronous_commit', 'off', true)`
 
-// claimOneSQL re-locks one event for the event-by-event retry.
-const claimOneSQL = `
-SELECT id, event_type, tenant_id, payload, dispatch_key, retries, created_at, scheduled_at
+// claimOneSQL re-locks one event for the event-by-event retry, in the
+// shape of the budgeted claim ($2 is unused: one row is always kept).
+var claimOneSQL = budgeted(`
+SELECT ` + claimColumns + `
 FROM outbox_event
 WHERE id = $1 AND status = 'pending'
-FOR UPDATE SKIP LOCKED`
+FOR UPDATE SKIP LOCKED`)
 
 // markDoneSQL marks events done and records their River job ids. $1 and $2
 // are parallel arrays (event id, job id), one entry per job, in route order.
+// processed_at is the handoff time, clock_timestamp() right after River's
+// insert, not now() (the start of the batch transaction, before the claim).
 const markDoneSQL = `
 UPDATE outbox_event e
-SET status = 'done', processed_at = now(), locked_until = NULL, river_job_ids = j.ids
+SET status = 'done', processed_at = clock_timestamp(), locked_until = NULL, river_job_ids = j.ids
 FROM (
     SELECT event_id, array_agg(job_id ORDER BY ord) AS ids
     FROM unnest($1::bigint[], $2::bigint[]) WITH ORDINALITY AS t(event_id, job_id, ord)
     GROUP BY event_id
 ) j
 WHERE e.id = j.event_id`
+
+// markBrokenSQL dead-letters rows that can never be handed off (see
+// rowFault), at once: retrying cannot change what is stored. $1 and $2 are
+// parallel arrays of event ids and reasons.
+const markBrokenSQL = `
+UPDATE outbox_event e
+SET status = 'failed', locked_until = NULL, retries = e.retries + 1, last_error = b.msg
+FROM unnest($1::bigint[], $2::text[]) AS b(id, msg)
+WHERE e.id = b.id`
 
 // markUnroutableSQL fails events that no route matches, at once.
 const markUnroutableSQL = `
@@ -140,9 +215,12 @@ RETURNING status::text, retries, event_type, tenant_id`
 // RescueSQL puts rows left in 'processing' past locked_until back to
 // pending. This dispatcher never commits 'processing' (see claimSQL), but
 // external tools or older versions may; the rescue keeps them from sticking.
+// A processing row without locked_until has no lease that could still be
+// running (nothing of this version writes one), so it is rescued too; the
+// processing index holds NULL keys as well, so this stays an index scan.
 const RescueSQL = `
 UPDATE outbox_event SET status = 'pending', locked_until = NULL
-WHERE status = 'processing' AND locked_until < now()`
+WHERE status = 'processing' AND (locked_until < now() OR locked_until IS NULL)`
 
 // Backoff returns the delay after the n-th failed attempt (n >= 1).
 func Backoff(n int) time.Duration {
@@ -160,7 +238,15 @@ type Handoff struct {
 	// MaxRetries is the number of failed attempts after which the next
 	// failure dead-letters the event.
 	MaxRetries int
-	Alerter    alert.Alerter
+	// BatchBytes bounds the payload bytes of one batch (see budgeted); a
+	// batch always takes at least one event. 0 means DefaultBatchBytes.
+	BatchBytes int
+	// Timeout bounds each transaction (a batch, and each event-by-event
+	// retry on its own). A batch that times out is retried event by event;
+	// an event that times out alone TimeoutsBeforeCharge times in a row is
+	// charged a failed attempt. 0 means no bound of its own.
+	Timeout time.Duration
+	Alerter alert.Alerter
 	// SynchronousCommit makes the batch transaction wait for its WAL flush.
 	// By default it does not (synchronous_commit off for the transaction): the
 	// handoff stays exactly-once because a River worker can only start a
@@ -169,6 +255,9 @@ type Handoff struct {
 	// batch as a whole (events pending again, no jobs), never half of it.
 	// Set it when workers run with synchronous_commit = off themselves.
 	SynchronousCommit bool
+
+	mu       sync.Mutex
+	timeouts map[int64]int // lone timeouts in a row, by event id
 }
 
 // Result summarises one batch.
@@ -181,10 +270,16 @@ type Result struct {
 	Jobs int
 	// Unroutable events were failed at once.
 	Unroutable int
+	// Broken events broke the payload rule (or held a value that cannot be
+	// handed off) and were dead-lettered at once.
+	Broken int
 	// Retried events failed an attempt and were rescheduled.
 	Retried int
 	// DeadLettered events failed for the last time.
 	DeadLettered int
+	// TimedOut events timed out alone in their transaction (they stay
+	// pending, or are counted in Retried or DeadLettered when charged).
+	TimedOut int
 	// Skipped events were claimed by another dispatcher during the
 	// event-by-event retry.
 	Skipped int
@@ -194,6 +289,9 @@ type Result struct {
 	// Fallback is true when the batch failed as a whole and its events were
 	// retried one by one.
 	Fallback bool
+	// More is true when the byte budget cut the batch: more events were
+	// due than it returned, although it returned fewer than its limit.
+	More bool
 	// Last is the claim-order position of the last claimed event (zero
 	// when none was claimed), where BatchAfter can continue.
 	Last Position
@@ -212,9 +310,11 @@ func (r *Result) add(o Result) {
 	r.Done += o.Done
 	r.Jobs += o.Jobs
 	r.Unroutable += o.Unroutable
+	r.Broken += o.Broken
 	r.Retried += o.Retried
 	r.DeadLettered += o.DeadLettered
 	r.Skipped += o.Skipped
+	r.TimedOut += o.TimedOut
 	r.Handed = append(r.Handed, o.Handed...)
 }
 
@@ -223,14 +323,21 @@ func (r *Result) add(o Result) {
 // rolled back and every claimed event is retried in its own transaction.
 // An error means the batch could not run at all (nothing changed).
 func (h *Handoff) Batch(ctx context.Context, limit int) (Result, error) {
-	return h.batch(ctx, claimSQL, limit)
+	return h.batch(ctx, budgetedClaimSQL, limit, h.batchBytes(), outbox.MaxPayloadBytes)
+}
+
+func (h *Handoff) batchBytes() int {
+	if h.BatchBytes > 0 {
+		return h.BatchBytes
+	}
+	return DefaultBatchBytes
 }
 
 // BatchAfter is Batch for the events after position after in claim order:
 // the continuation of a drain (see claimAfterSQL). It may miss events
 // behind the position; a later Batch finds them.
 func (h *Handoff) BatchAfter(ctx context.Context, limit int, after Position) (Result, error) {
-	return h.batch(ctx, claimAfterSQL, limit, after.ScheduledAt, after.ID)
+	return h.batch(ctx, budgetedClaimAfterSQL, limit, h.batchBytes(), outbox.MaxPayloadBytes, after.ScheduledAt, after.ID)
 }
 
 func (h *Handoff) batch(ctx context.Context, sql string, args ...any) (Result, error) {
@@ -241,39 +348,61 @@ func (h *Handoff) batch(ctx context.Context, sql string, args ...any) (Result, e
 	}
 	defer conn.Release()
 
-	tx, events, err := h.begin(ctx, conn.Conn(), sql, args...)
+	tctx, cancel := h.txContext(ctx)
+	defer cancel()
+	tx, events, err := h.begin(tctx, conn.Conn(), sql, args...)
 	if err != nil {
 		return res, err
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	res.Claimed = len(events)
 	if n := len(events); n > 0 {
+		res.More = events[n-1].more
 		res.Last = Position{ScheduledAt: events[n-1].ScheduledAt, ID: events[n-1].ID}
 	}
 	if len(events) == 0 {
 		// Nothing locked, nothing written.
-		return res, tx.commitWith(ctx, nil)
+		return res, tx.commitWith(tctx, nil)
 	}
 
-	batchRes, unroutable, err := h.handoff(ctx, tx, events)
+	batchRes, unroutable, err := h.handoff(tctx, tx, events)
 	if err != nil {
 		if ctx.Err() != nil {
 			return res, err
 		}
-		_ = tx.Rollback(ctx)
-		if IsTransient(err) {
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		timeout := timedOut(ctx, tctx, err)
+		if timeout {
+			h.reap(ctx, conn.Conn())
+		}
+		if IsTransient(err) && !timeout {
 			// The database, not an event, is at fault: charge no event a
 			// retry; the events stay pending and the loop backs off.
 			return res, err
 		}
-		// Poison isolation: retry each event alone.
+		if timeout && len(events) == 1 {
+			one, err := h.loneTimeout(ctx, events[0], err)
+			res.add(one)
+			return res, err
+		}
+		// Poison isolation: retry each event alone. After a timeout this
+		// also finds the slow event; two lone timeouts in a row say the
+		// database itself is slow, and the loop backs off instead.
 		res.Fallback = true
+		inARow := 0
 		for _, e := range events {
-			one, oneErr := h.One(ctx, e.ID, err)
+			one, oneErr := h.one(ctx, e.ID, err)
+			res.add(one)
 			if oneErr != nil {
 				return res, oneErr
 			}
-			res.add(one)
+			if one.TimedOut == 0 {
+				inARow = 0
+				continue
+			}
+			if inARow++; inARow == 2 {
+				return res, fmt.Errorf("claim: two events in a row timed out alone, the database is slow: %w", err)
+			}
 		}
 		return res, nil
 	}
@@ -285,6 +414,10 @@ func (h *Handoff) batch(ctx context.Context, sql string, args ...any) (Result, e
 // One hands off a single event in its own transaction; batchErr is the
 // error that made its batch fail, recorded if this attempt fails too.
 func (h *Handoff) One(ctx context.Context, id int64, batchErr error) (Result, error) {
+	return h.one(ctx, id, batchErr)
+}
+
+func (h *Handoff) one(ctx context.Context, id int64, batchErr error) (Result, error) {
 	var res Result
 	conn, err := h.Pool.Acquire(ctx)
 	if err != nil {
@@ -292,26 +425,38 @@ func (h *Handoff) One(ctx context.Context, id int64, batchErr error) (Result, er
 	}
 	defer conn.Release()
 
-	tx, events, err := h.begin(ctx, conn.Conn(), claimOneSQL, id)
+	tctx, cancel := h.txContext(ctx)
+	defer cancel()
+	tx, events, err := h.begin(tctx, conn.Conn(), claimOneSQL, id, 0, outbox.MaxPayloadBytes)
 	if err != nil {
 		return res, err
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	if len(events) == 0 {
 		res.Skipped = 1
-		return res, tx.commitWith(ctx, nil)
+		return res, tx.commitWith(tctx, nil)
 	}
 	res.Claimed = 1
-	oneRes, unroutable, err := h.handoff(ctx, tx, events)
+	oneRes, unroutable, err := h.handoff(tctx, tx, events)
 	if err == nil {
+		h.forgetTimeouts(id)
 		res.add(oneRes)
 		h.alertUnroutable(ctx, unroutable)
 		return res, nil
 	}
-	if ctx.Err() != nil || IsTransient(err) {
+	if ctx.Err() != nil {
 		return res, err
 	}
-	_ = tx.Rollback(ctx)
+	_ = tx.Rollback(context.WithoutCancel(ctx))
+	if timedOut(ctx, tctx, err) {
+		h.reap(ctx, conn.Conn())
+		one, err := h.loneTimeout(ctx, events[0], err)
+		res.add(one)
+		return res, err
+	}
+	if IsTransient(err) {
+		return res, err
+	}
 	if batchErr != nil && !errors.Is(err, batchErr) {
 		err = fmt.Errorf("%w (batch: %w)", err, batchErr)
 	}
@@ -327,6 +472,88 @@ func (h *Handoff) One(ctx context.Context, id int64, batchErr error) (Result, er
 	return res, nil
 }
 
+// TimeoutsBeforeCharge is how many times in a row an event's handoff may
+// time out with the event alone in its transaction before the timeout
+// counts as a failed attempt of that event (retries+1, backoff, and in the
+// end the dead letter). Fewer are not charged: a lone timeout can also be a
+// passing slowness of the database.
+const TimeoutsBeforeCharge = 3
+
+// loneTimeout records that e's handoff timed out with e alone in its
+// transaction; the TimeoutsBeforeCharge-th time in a row it is charged to e.
+// The count lives in this Handoff (a restart forgets it).
+func (h *Handoff) loneTimeout(ctx context.Context, e Event, cause error) (Result, error) {
+	res := Result{TimedOut: 1}
+	h.mu.Lock()
+	if h.timeouts == nil || len(h.timeouts) > 10000 {
+		h.timeouts = map[int64]int{}
+	}
+	h.timeouts[e.ID]++
+	n := h.timeouts[e.ID]
+	if n >= TimeoutsBeforeCharge {
+		delete(h.timeouts, e.ID)
+	}
+	h.mu.Unlock()
+	if n < TimeoutsBeforeCharge {
+		return res, nil
+	}
+	failed, err := h.recordFailure(ctx, e, fmt.Errorf("handoff timed out %d times in a row with the event alone in its transaction (the River insert or the update of this event blocks or is too slow): %w", n, cause))
+	if err != nil {
+		return res, err
+	}
+	if failed {
+		res.DeadLettered = 1
+	} else {
+		res.Retried = 1
+	}
+	return res, nil
+}
+
+func (h *Handoff) forgetTimeouts(id int64) {
+	h.mu.Lock()
+	delete(h.timeouts, id)
+	h.mu.Unlock()
+}
+
+// reap ends the server session of a transaction that timed out when the
+// client gave up on it (pgx closes the connection when the cancel request
+// does not take effect in time): the session may still run the blocked
+// statement and hold the claimed rows' locks, and the event-by-event retry
+// and the next batch would skip them (SKIP LOCKED) until it ends.
+func (h *Handoff) reap(ctx context.Context, conn *pgx.Conn) {
+	if !conn.IsClosed() {
+		return // rolled back: the locks are gone
+	}
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	_, _ = h.Pool.Exec(rctx, `SELECT pg_terminate_backend($1, 5000)`, int32(conn.PgConn().PID()))
+}
+
+// txContext bounds one transaction by Timeout.
+func (h *Handoff) txContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	if h.Timeout > 0 {
+		return context.WithTimeout(ctx, h.Timeout)
+	}
+	return context.WithCancel(ctx)
+}
+
+// timedOut reports whether err ended a transaction because it ran out of
+// time (its own deadline tctx, or the server's statement_timeout or
+// lock_timeout) while the caller's ctx is still live.
+func timedOut(ctx, tctx context.Context, err error) bool {
+	if ctx.Err() != nil {
+		return false
+	}
+	if tctx.Err() != nil {
+		return true
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code == "57014" || pgErr.Code == "55P03"
+	}
+	return errors.Is(err, context.DeadlineExceeded) || pgconn.Timeout(err)
+}
+
 // begin opens the batch transaction and claims, in one round trip.
 func (h *Handoff) begin(ctx context.Context, conn *pgx.Conn, sql string, args ...any) (*pipeTx, []Event, error) {
 	setup := planSettingsSQL
@@ -337,16 +564,58 @@ func (h *Handoff) begin(ctx context.Context, conn *pgx.Conn, sql string, args ..
 	if err != nil {
 		return nil, nil, fmt.Errorf("claim: %w", err)
 	}
-	events, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Event, error) {
-		var e Event
-		err := row.Scan(&e.ID, &e.Type, &e.TenantID, &e.Payload, &e.DispatchKey, &e.Retries, &e.CreatedAt, &e.ScheduledAt)
-		return e, err
-	})
+	events, err := pgx.CollectRows(rows, scanEvent)
 	if err != nil {
 		tx.abandon(ctx)
 		return nil, nil, fmt.Errorf("claim: %w", err)
 	}
 	return tx, events, nil
+}
+
+// scanEvent reads one claimed row without judging it: the payload as bytes
+// (pgx copies the bytes for a *[]byte target, where a json.RawMessage
+// target would run encoding/json over them), the times as pgtype values
+// (a stored ±infinity cannot be scanned into a time.Time). Whatever makes
+// the row impossible to hand off is recorded in fault, for that row alone.
+func scanEvent(row pgx.CollectableRow) (Event, error) {
+	var (
+		e                  Event
+		created, scheduled pgtype.Timestamptz
+	)
+	var size int
+	if err := row.Scan(&e.ID, &e.Type, &e.TenantID, (*[]byte)(&e.Payload), &size, &e.DispatchKey, &e.Retries, &created, &scheduled, &e.more); err != nil {
+		return e, err
+	}
+	e.CreatedAt, e.ScheduledAt = created.Time, scheduled.Time
+	switch {
+	case created.InfinityModifier != pgtype.Finite:
+		e.fault = "created_at is infinite: the job args cannot carry it"
+	case created.Time.Year() < 0 || created.Time.Year() > 9999:
+		e.fault = fmt.Sprintf("created_at %s is outside years 0..9999: the job args cannot carry it", created.Time.Format(time.RFC3339))
+	case scheduled.InfinityModifier != pgtype.Finite:
+		e.fault = "scheduled_at is infinite"
+	default:
+		e.fault = rowFault(e.Payload, size)
+	}
+	return e, nil
+}
+
+// rowFault checks a payload of size bytes (its JSON text; the claim sends
+// no payload, nil, when it is too large) against the payload rule, the one Publish and
+// outbox_publish enforce: at most outbox.MaxPayloadBytes of JSON text and
+// nested at most jsonlimit.MaxDepth levels. Rows from older versions or
+// from writers that bypassed the rule can break it; such a row is
+// dead-lettered instead of handed off, since no retry can fix it and a
+// worker could not decode its args. It returns "" for a good payload.
+func rowFault(payload []byte, size int) string {
+	const rule = "; the payload rule is at most %d bytes and %d levels of nesting: fix the producer; the event is dead-lettered without a River job"
+	if size > outbox.MaxPayloadBytes || payload == nil {
+		return fmt.Sprintf("payload is %d bytes"+rule, size, outbox.MaxPayloadBytes, jsonlimit.MaxDepth)
+	}
+	if jsonlimit.Exceeds(payload, jsonlimit.MaxDepth) {
+		return fmt.Sprintf("payload is nested deeper than %d levels"+rule, jsonlimit.MaxDepth, outbox.MaxPayloadBytes, jsonlimit.MaxDepth)
+	}
+	return ""
 }
 
 // handoff routes events, inserts their jobs, and marks them done or failed
@@ -355,12 +624,17 @@ func (h *Handoff) handoff(ctx context.Context, tx *pipeTx, events []Event) (Resu
 	var (
 		res        Result
 		unroutable []Event
+		broken     []Event
 		final      []queued
 		params     = make([]river.InsertManyParams, 0, len(events))
 		jobEvent   = make([]int64, 0, len(events))
 	)
 	for i := range events {
 		e := &events[i]
+		if e.fault != "" {
+			broken = append(broken, *e)
+			continue
+		}
 		rule, ok := h.Routes.Match(e.Type)
 		if !ok {
 			unroutable = append(unroutable, *e)
@@ -404,10 +678,37 @@ func (h *Handoff) handoff(ctx context.Context, tx *pipeTx, events []Event) (Resu
 		final = append(final, queued{"mark unroutable", markUnroutableSQL, []any{ids}})
 		res.Unroutable = len(unroutable)
 	}
+	if len(broken) > 0 {
+		ids := make([]int64, len(broken))
+		msgs := make([]string, len(broken))
+		for i, e := range broken {
+			ids[i], msgs[i] = e.ID, e.fault
+		}
+		final = append(final, queued{"dead-letter broken rows", markBrokenSQL, []any{ids, msgs}})
+		res.Broken = len(broken)
+	}
 	if err := tx.commitWith(ctx, final); err != nil {
 		return res, nil, err
 	}
+	h.alertBroken(ctx, broken)
 	return res, unroutable, nil
+}
+
+func (h *Handoff) alertBroken(ctx context.Context, events []Event) {
+	if h.Alerter == nil {
+		return
+	}
+	for _, e := range events {
+		h.Alerter.Alert(ctx, alert.Alert{
+			Reason:    alert.DeadLetter,
+			Message:   fmt.Sprintf("event %d (%s) cannot be handed off and is dead-lettered", e.ID, e.Type),
+			EventID:   e.ID,
+			EventType: e.Type,
+			TenantID:  deref(e.TenantID),
+			Retries:   e.Retries + 1,
+			Err:       e.fault,
+		})
+	}
 }
 
 func (h *Handoff) alertUnroutable(ctx context.Context, events []Event) {

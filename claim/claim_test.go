@@ -318,3 +318,117 @@ func TestBatchAfterContinuesFromPosition(t *testing.T) {
 		t.Fatalf("Batch = %+v %v, want the late row", full, err)
 	}
 }
+
+// TestUnscannableRowIsIsolated: a stored -infinity scheduled_at (first in
+// claim order) cannot be scanned into a time.Time; it used to fail every
+// claim. It is dead-lettered and the event behind it handed off.
+func TestUnscannableRowIsIsolated(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, time.Minute)
+	var bad int64
+	if err := s.Pool.QueryRow(ctx, `INSERT INTO outbox_event (event_type, payload, scheduled_at)
+		VALUES ('mail.user.welcomed', '{}', '-infinity') RETURNING id`).Scan(&bad); err != nil {
+		t.Fatal(err)
+	}
+	good := publish(t, s.Pool, "mail.user.welcomed")[0]
+	h := newHandoff(t, s.Pool, 6, nil)
+	res, err := h.Batch(ctx, 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Done != 1 || res.Broken != 1 {
+		t.Fatalf("result %+v, want 1 done and 1 broken", res)
+	}
+	var st, lastErr string
+	if err := s.Pool.QueryRow(ctx, `SELECT status::text, last_error FROM outbox_event WHERE id = $1`, bad).Scan(&st, &lastErr); err != nil {
+		t.Fatal(err)
+	}
+	if st != "failed" || !strings.Contains(lastErr, "scheduled_at is infinite") {
+		t.Fatalf("bad row: %s %q", st, lastErr)
+	}
+	if r := get(t, s.Pool, good); r.status != "done" {
+		t.Fatalf("good row %+v", r)
+	}
+}
+
+// TestProcessedAtIsHandoffTime: processed_at is stamped after River's
+// insert, not at the start of the batch transaction.
+func TestProcessedAtIsHandoffTime(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, time.Minute)
+	_, err := s.Pool.Exec(ctx, `
+		CREATE TABLE insert_seen (at timestamptz NOT NULL);
+		CREATE FUNCTION note_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			PERFORM pg_sleep(0.05);
+			INSERT INTO insert_seen VALUES (clock_timestamp());
+			RETURN NEW;
+		END $$;
+		CREATE TRIGGER note_insert BEFORE INSERT ON river_job FOR EACH ROW EXECUTE FUNCTION note_insert();`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := publish(t, s.Pool, "mail.user.welcomed")[0]
+	h := newHandoff(t, s.Pool, 6, nil)
+	if res, err := h.Batch(ctx, 10); err != nil || res.Done != 1 {
+		t.Fatalf("batch: %+v, %v", res, err)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event e, insert_seen i WHERE e.id = $1 AND e.processed_at >= i.at`, id); n != 1 {
+		t.Fatal("processed_at is before River's insert: it is not the handoff time")
+	}
+}
+
+// TestBatchIsBoundedByBytes: a batch stops at the byte budget (always
+// taking one event), says that more are due, and the rest follow in later
+// batches; a payload over the size rule is dead-lettered.
+func TestBatchIsBoundedByBytes(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, time.Minute)
+	// Five payloads of about 320,000 bytes (incompressible), then one of
+	// about 1.5 MiB (over the payload rule, within the table's CHECK).
+	_, err := s.Pool.Exec(ctx, `
+		INSERT INTO outbox_event (event_type, payload, scheduled_at)
+		SELECT 'mail.big.sent', jsonb_build_object('d', (SELECT string_agg(md5(i::text || ':' || g::text), '') FROM generate_series(1, 10000) g)),
+		       now() - make_interval(secs => 100 - i)
+		FROM generate_series(1, 5) i;
+		INSERT INTO outbox_event (event_type, payload, scheduled_at)
+		SELECT 'mail.huge.sent', jsonb_build_object('d', (SELECT string_agg(md5(g::text), '') FROM generate_series(1, 50000) g)), now() - interval '1 second'`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := newHandoff(t, s.Pool, 6, nil)
+	h.BatchBytes = 1 << 20
+	res, err := h.Batch(ctx, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Claimed != 3 || res.Done != 3 || !res.More {
+		t.Fatalf("first batch %+v, want 3 events (3 x 320 kB within 1 MiB) and More", res)
+	}
+	h.BatchBytes = 1024
+	res, err = h.Batch(ctx, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Claimed != 1 || res.Done != 1 || !res.More {
+		t.Fatalf("second batch %+v, want one event over the budget, alone, and More", res)
+	}
+	h.BatchBytes = 0
+	res, err = h.Batch(ctx, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Claimed != 2 || res.Done != 1 || res.Broken != 1 || res.More {
+		t.Fatalf("third batch %+v, want the last normal event done and the huge one broken", res)
+	}
+	var lastErr string
+	if err := s.Pool.QueryRow(ctx, `SELECT last_error FROM outbox_event WHERE event_type = 'mail.huge.sent' AND status = 'failed'`).Scan(&lastErr); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(lastErr, "the payload rule is at most 1048576 bytes") {
+		t.Fatalf("last_error %q", lastErr)
+	}
+}

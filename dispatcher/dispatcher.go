@@ -21,6 +21,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -38,6 +39,10 @@ type Config struct {
 	Routes *route.Table
 	// BatchSize is the most events claimed per batch. 0 means 100.
 	BatchSize int
+	// BatchBytes bounds the payload bytes (JSON text) of one batch; a batch
+	// always takes at least one event, so a single event larger than the
+	// budget still goes alone. 0 means claim.DefaultBatchBytes (4 MiB).
+	BatchBytes int
 	// Concurrency is the most batches in flight at once while draining; a
 	// drain starts with two and adds one while that raises its rate (see
 	// drainParallel). 0 means 10.
@@ -51,7 +56,8 @@ type Config struct {
 	// failure dead-letters an event. 0 means 6; use a negative value for
 	// "dead-letter on the first failure".
 	MaxRetries int
-	// BatchTimeout bounds one batch transaction. 0 means 30 s.
+	// BatchTimeout bounds one batch transaction, and each event-by-event
+	// retry (see claim.Handoff.Timeout). 0 means 30 s.
 	BatchTimeout time.Duration
 	// RiverFetchCooldown is the insert NOTIFY debounce of the dispatcher's
 	// insert-only River client. 0 means outboxriver.DefaultFetchCooldown.
@@ -89,6 +95,9 @@ type Config struct {
 func (c *Config) setDefaults() {
 	if c.BatchSize == 0 {
 		c.BatchSize = 100
+	}
+	if c.BatchBytes == 0 {
+		c.BatchBytes = claim.DefaultBatchBytes
 	}
 	if c.Concurrency == 0 {
 		c.Concurrency = 10
@@ -134,6 +143,8 @@ func (c *Config) validate() error {
 		return errors.New("dispatcher: Routes is required: the dispatcher refuses to start without routes")
 	case c.BatchSize < 1 || c.BatchSize > 10000:
 		return fmt.Errorf("dispatcher: BatchSize must be 1..10000, got %d", c.BatchSize)
+	case c.BatchBytes < 1:
+		return fmt.Errorf("dispatcher: BatchBytes must be positive, got %d", c.BatchBytes)
 	case c.Concurrency < 1 || c.Concurrency > 1000:
 		return fmt.Errorf("dispatcher: Concurrency must be 1..1000, got %d", c.Concurrency)
 	case c.PollInterval < time.Millisecond:
@@ -142,6 +153,78 @@ func (c *Config) validate() error {
 		return errors.New("dispatcher: BatchTimeout must not be negative")
 	}
 	return nil
+}
+
+// schemaSQL finds the schema that holds the outbox_event the dispatcher's
+// queries resolve to, and derives the wake key and the NOTIFY payload from
+// it exactly as the wake trigger does from TG_TABLE_SCHEMA. current_schema()
+// is not that schema when search_path starts with one that exists but has
+// no outbox (a "$user" schema): the dispatcher would hold another key and
+// filter for another payload, and never wake.
+const schemaSQL = `
+SELECT n.nspname IS NOT NULL, coalesce(n.nspname, ''), coalesce(hashtext('outbox_wake:' || n.nspname), 0),
+       current_setting('search_path')
+FROM (SELECT to_regclass('outbox_event') AS rel) r
+LEFT JOIN pg_class c ON c.oid = r.rel
+LEFT JOIN pg_namespace n ON n.oid = c.relnamespace`
+
+// SynchronousCommitOff is the alert raised at start-up when River workers
+// may commit without flushing the WAL while the handoff does not wait for
+// its flush either (see checkSynchronousCommit).
+const SynchronousCommitOff alert.Reason = "synchronous_commit_off"
+
+// syncCommitSQL lists where synchronous_commit is off or local for sessions
+// on this database: this session (server default, database and role
+// defaults and connection options all resolved), and every database- or
+// role-level default that applies to this database (workers may connect as
+// another role).
+const syncCommitSQL = `
+SELECT 'this session (' || current_user || ')', current_setting('synchronous_commit')
+WHERE current_setting('synchronous_commit') IN ('off', 'local')
+UNION ALL
+SELECT CASE WHEN s.setrole = 0 THEN 'database ' || current_database() || ' (ALTER DATABASE … SET)'
+            WHEN s.setdatabase = 0 THEN 'role ' || r.rolname || ' (ALTER ROLE … SET)'
+            ELSE 'role ' || r.rolname || ' in database ' || current_database() || ' (ALTER ROLE … IN DATABASE … SET)' END,
+       split_part(c.cfg, '=', 2)
+FROM pg_db_role_setting s
+LEFT JOIN pg_roles r ON r.oid = s.setrole
+CROSS JOIN LATERAL unnest(s.setconfig) AS c(cfg)
+WHERE s.setdatabase IN (0, (SELECT oid FROM pg_database WHERE datname = current_database()))
+  AND lower(split_part(c.cfg, '=', 1)) = 'synchronous_commit'
+  AND lower(split_part(c.cfg, '=', 2)) IN ('off', 'local', 'false', 'no', '0')`
+
+// checkSynchronousCommit warns (log and alert) when River workers may
+// commit with synchronous_commit off or local. The handoff skips its own
+// WAL flush (SynchronousCommit false) and stays exactly-once only because a
+// worker's synchronous commit flushes the WAL up to and past it; a worker
+// that commits asynchronously can run a job whose handoff a crash then
+// loses, and the event is handed off again (local also loses that guarantee
+// on a failover to a synchronous standby). The check cannot see the
+// settings a worker's own connection string sets; it never stops the start.
+func (d *Dispatcher) checkSynchronousCommit(ctx context.Context) {
+	qctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	rows, err := d.pool.Query(qctx, syncCommitSQL)
+	if err != nil {
+		d.logger.Info("outbox could not check synchronous_commit", slog.String("error", err.Error()))
+		return
+	}
+	type finding struct{ where, value string }
+	found, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (finding, error) {
+		var f finding
+		return f, r.Scan(&f.where, &f.value)
+	})
+	if err != nil {
+		d.logger.Info("outbox could not check synchronous_commit", slog.String("error", err.Error()))
+		return
+	}
+	for _, f := range found {
+		msg := fmt.Sprintf("synchronous_commit is %s for %s: River workers that commit without flushing the WAL break the exactly-once handoff, "+
+			"because handoff commits skip their own flush; set OUTBOX_DISPATCH_SYNCHRONOUS_COMMIT=true or make the workers commit with synchronous_commit=on "+
+			"(docs/architecture.md, \"Commit durability\")", f.value, f.where)
+		d.logger.Warn("outbox WARNING: "+msg, slog.String("where", f.where), slog.String("synchronous_commit", f.value))
+		d.cfg.Alerter.Alert(ctx, alert.Alert{Reason: SynchronousCommitOff, Message: msg})
+	}
 }
 
 // Stats are cumulative counters.
@@ -205,6 +288,8 @@ func New(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 			River:             rc,
 			Routes:            cfg.Routes,
 			MaxRetries:        cfg.MaxRetries,
+			BatchBytes:        cfg.BatchBytes,
+			Timeout:           cfg.BatchTimeout,
 			Alerter:           cfg.Alerter,
 			SynchronousCommit: cfg.SynchronousCommit,
 		},
@@ -238,10 +323,21 @@ func (d *Dispatcher) Start(ctx context.Context) error {
 		return errors.New("dispatcher: already started")
 	}
 
-	var key int32
-	err := d.pool.QueryRow(ctx, `SELECT current_schema(), outbox_wake_lock_key()`).Scan(&d.schema, &key)
+	var (
+		key        int32
+		found      bool
+		searchPath string
+	)
+	err := d.pool.QueryRow(ctx, schemaSQL).Scan(&found, &d.schema, &key, &searchPath)
 	if err != nil {
-		return fmt.Errorf("dispatcher: read schema (has `outboxctl migrate` run on this database?): %w", err)
+		return fmt.Errorf("dispatcher: find the outbox schema: %w", err)
+	}
+	if !found {
+		return fmt.Errorf("dispatcher: no table outbox_event in search_path %q: point DATABASE_URL's search_path at the outbox schema, or run `outboxctl migrate`", searchPath)
+	}
+
+	if !d.cfg.SynchronousCommit {
+		d.checkSynchronousCommit(ctx)
 	}
 
 	if !d.cfg.ListenDisabled {
@@ -377,12 +473,18 @@ func (d *Dispatcher) run(ctx context.Context) {
 		// Go idle. With a live listener, take the wake lock, then re-check:
 		// rows committed by producers that skipped NOTIFY are visible now.
 		if d.lis != nil && d.lis.Connected() {
-			held, err := d.lock.acquire(ctx)
+			got, err := d.lock.acquire(ctx)
 			if err != nil {
 				d.logger.Warn("outbox wake lock unavailable; relying on polling", slog.String("error", err.Error()))
 			}
-			if held {
-				n, err := d.pass(ctx, false)
+			if got == lockProducers {
+				// Producers are committing without NOTIFY and hold the
+				// key past lock_timeout: sleeping now would miss their
+				// rows. Look for work again, then retry the lock.
+				continue
+			}
+			if got == lockHeld {
+				n, _, err := d.pass(ctx, false)
 				if err != nil || n > 0 {
 					// Work arrived: drain without the lock (busy
 					// dispatchers must not make producers notify).
@@ -441,8 +543,8 @@ func (d *Dispatcher) drain(ctx context.Context) (int, error) {
 	// far (claim.BatchAfter), skipping the dead index entries the drain
 	// leaves behind. Whatever they skip, the next drain's first pass finds.
 	d.resume.Store(nil)
-	n, err := d.pass(ctx, false)
-	if err != nil || n < d.cfg.BatchSize || d.stopping() {
+	n, full, err := d.pass(ctx, false)
+	if err != nil || !full || d.stopping() {
 		return n, err
 	}
 	more, err := d.drainParallel(ctx)
@@ -480,13 +582,13 @@ func (d *Dispatcher) drainParallel(ctx context.Context) (int, error) {
 					return
 				default:
 				}
-				n, err := d.pass(ctx, true)
+				n, full, err := d.pass(ctx, true)
 				claimed.Add(int64(n))
 				if err != nil {
 					errOnce.Do(func() { first = err })
 					return
 				}
-				if n < d.cfg.BatchSize {
+				if !full {
 					return
 				}
 			}
@@ -533,22 +635,24 @@ func (d *Dispatcher) drainParallel(ctx context.Context) (int, error) {
 	return int(claimed.Load()), first
 }
 
-// pass runs one batch and returns how many events it claimed.
+// pass runs one batch and returns how many events it claimed and whether
+// the batch was full (by count, or cut by the byte budget with more due).
 // With resume, it claims after the furthest position claimed in this drain.
-func (d *Dispatcher) pass(ctx context.Context, resume bool) (int, error) {
-	bctx, cancel := context.WithTimeout(ctx, d.cfg.BatchTimeout)
-	defer cancel()
+func (d *Dispatcher) pass(ctx context.Context, resume bool) (int, bool, error) {
+	// Each transaction of the pass is bounded by BatchTimeout
+	// (claim.Handoff.Timeout), so that a batch that times out can be
+	// retried event by event to find the slow event.
 	var (
 		res claim.Result
 		err error
 	)
 	if at := d.resume.Load(); resume && at != nil {
-		res, err = d.handoff.BatchAfter(bctx, d.cfg.BatchSize, *at)
+		res, err = d.handoff.BatchAfter(ctx, d.cfg.BatchSize, *at)
 	} else {
-		res, err = d.handoff.Batch(bctx, d.cfg.BatchSize)
+		res, err = d.handoff.Batch(ctx, d.cfg.BatchSize)
 	}
 	if err != nil {
-		return 0, err
+		return 0, false, err
 	}
 	if res.Claimed > 0 {
 		for {
@@ -566,17 +670,18 @@ func (d *Dispatcher) pass(ctx context.Context, resume bool) (int, error) {
 		d.jobs.Add(int64(res.Jobs))
 		d.unroutable.Add(int64(res.Unroutable))
 		d.retried.Add(int64(res.Retried))
-		d.dead.Add(int64(res.DeadLettered))
+		d.dead.Add(int64(res.DeadLettered + res.Broken))
 		if d.cfg.OnBatch != nil {
 			d.cfg.OnBatch(res)
 		}
 		if res.Fallback {
 			d.logger.Warn("outbox batch failed; retried event by event",
 				slog.Int("claimed", res.Claimed), slog.Int("done", res.Done),
-				slog.Int("retried", res.Retried), slog.Int("dead_lettered", res.DeadLettered))
+				slog.Int("retried", res.Retried), slog.Int("dead_lettered", res.DeadLettered),
+				slog.Int("timed_out", res.TimedOut), slog.Int("skipped", res.Skipped))
 		}
 	}
-	return res.Claimed, nil
+	return res.Claimed, res.Claimed >= d.cfg.BatchSize || res.More, nil
 }
 
 func (d *Dispatcher) rescue(ctx context.Context) {

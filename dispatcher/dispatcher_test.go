@@ -387,10 +387,13 @@ func TestStaleProcessingRowsAreRescued(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
 	ctx := context.Background()
-	ids := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome"}, outbox.Event{Type: "mail.user.welcome"})
+	ids := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome"}, outbox.Event{Type: "mail.user.welcome"}, outbox.Event{Type: "mail.user.welcome"})
 	// As if a crashed worker of another tool had left them mid-flight: one
-	// lock expired, one still valid.
+	// lock expired, one still valid, one without a lock time at all.
 	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET status = 'processing', locked_until = now() - interval '1 minute' WHERE id = $1`, ids[0]); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET status = 'processing', locked_until = NULL WHERE id = $1`, ids[2]); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET status = 'processing', locked_until = now() + interval '1 hour' WHERE id = $1`, ids[1]); err != nil {
@@ -398,6 +401,7 @@ func TestStaleProcessingRowsAreRescued(t *testing.T) {
 	}
 	d := start(t, s.Pool, dispatcher.Config{PollInterval: 100 * time.Millisecond})
 	pgtest.WaitFor(t, 10*time.Second, "stale row handed off", func() bool { return status(t, s.Pool, ids[0]) == "done" })
+	pgtest.WaitFor(t, 10*time.Second, "processing row without locked_until handed off", func() bool { return status(t, s.Pool, ids[2]) == "done" })
 	// Three more rescue passes (one per poll tick) must leave the live lock alone.
 	polls := d.Stats().Polls
 	pgtest.WaitFor(t, 10*time.Second, "three more poll ticks", func() bool { return d.Stats().Polls >= polls+3 })

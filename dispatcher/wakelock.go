@@ -11,8 +11,8 @@ import (
 )
 
 // wakeLockClass is the first key of the wake advisory lock; the second is
-// outbox_wake_lock_key() (derived from the schema). The wake trigger uses
-// the same pair.
+// hashtext('outbox_wake:' || schema), where schema holds outbox_event (see
+// schemaSQL). The wake trigger uses the same pair.
 const wakeLockClass = 1868720215
 
 // wakeLock is the session advisory lock an idle dispatcher holds exclusively
@@ -22,9 +22,16 @@ const wakeLockClass = 1868720215
 //
 // Acquiring blocks behind producers that hold the key shared, i.e. that are
 // committing right now without notifying; once it is granted their rows are
-// visible, so the re-check the dispatcher runs next sees them. The wait is
-// bounded by lock_timeout: when another idle dispatcher holds the key, this
-// one gives up and sleeps without it (producers notify all listeners).
+// visible, so the re-check the dispatcher runs next sees them. Each wait is
+// bounded by lock_timeout. A timeout alone does not say who holds the key,
+// so acquire asks pg_locks: when another idle dispatcher holds it
+// exclusively, this one sleeps without it (producers notify, and NOTIFY
+// reaches every listener); when only producers hold it (a slow commit: a
+// slow fsync, a synchronous replica, a deferred trigger), sleeping would
+// miss their rows and every commit after them, so the dispatcher must not
+// sleep: it looks for work once more and tries again (a commit that never
+// ends, e.g. behind a synchronous standby that is down, must not stop the
+// dispatcher from handing off everything else meanwhile).
 type wakeLock struct {
 	connConfig *pgx.ConnConfig
 	key        int32
@@ -34,10 +41,35 @@ type wakeLock struct {
 	held bool
 }
 
-// acquire tries to take the lock; it reports whether it is held.
-func (w *wakeLock) acquire(ctx context.Context) (bool, error) {
+// wakeHolderSQL reports whether another session holds the wake lock
+// exclusively (an idle dispatcher), as opposed to producers holding it
+// shared. pg_locks shows a two-key advisory lock as classid = first key,
+// objid = second key (as oid), objsubid = 2.
+const wakeHolderSQL = `
+SELECT EXISTS (
+    SELECT 1 FROM pg_locks
+    WHERE locktype = 'advisory'
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND classid = $1::int4::oid AND objid = $2::int4::oid AND objsubid = 2
+      AND mode = 'ExclusiveLock' AND granted AND pid <> pg_backend_pid())`
+
+// acquireResult is the outcome of acquire.
+type acquireResult int
+
+const (
+	// lockHeld: the lock is held; re-check, then sleep.
+	lockHeld acquireResult = iota
+	// lockIdleElsewhere: another idle dispatcher holds it; sleep without.
+	lockIdleElsewhere
+	// lockProducers: producers hold it shared (commits under way that did
+	// not notify): do not sleep; look for work and try again.
+	lockProducers
+)
+
+// acquire makes one attempt, bounded by lock_timeout, to take the lock.
+func (w *wakeLock) acquire(ctx context.Context) (acquireResult, error) {
 	if w.held {
-		return true, nil
+		return lockHeld, nil
 	}
 	if w.conn != nil && dbconn.OnReadOnlyNode(w.conn) {
 		w.close() // a lock on a demoted or fenced node makes no producer notify
@@ -52,22 +84,41 @@ func (w *wakeLock) acquire(ctx context.Context) (bool, error) {
 		conn, err := pgx.ConnectConfig(cctx, cfg)
 		cancel()
 		if err != nil {
-			return false, fmt.Errorf("wake lock: connect: %w", err)
+			return lockIdleElsewhere, fmt.Errorf("wake lock: connect: %w", err)
 		}
 		w.conn = conn
 	}
+	idle, err := w.try(ctx)
+	switch {
+	case err != nil:
+		w.close()
+		return lockIdleElsewhere, err
+	case w.held:
+		return lockHeld, nil
+	case idle:
+		return lockIdleElsewhere, nil
+	default:
+		return lockProducers, nil
+	}
+}
+
+// try makes one bounded attempt. On lock_timeout it reports whether an idle
+// dispatcher is the holder.
+func (w *wakeLock) try(ctx context.Context) (idle bool, err error) {
 	qctx, cancel := context.WithTimeout(ctx, w.timeout+5*time.Second)
 	defer cancel()
-	_, err := w.conn.Exec(qctx, `SELECT pg_advisory_lock($1, $2)`, wakeLockClass, w.key)
-	if err != nil {
-		if isLockTimeout(err) {
-			return false, nil // another idle dispatcher holds it
-		}
-		w.close()
+	_, err = w.conn.Exec(qctx, `SELECT pg_advisory_lock($1, $2)`, wakeLockClass, w.key)
+	if err == nil {
+		w.held = true
+		return false, nil
+	}
+	if !isLockTimeout(err) {
 		return false, fmt.Errorf("wake lock: %w", err)
 	}
-	w.held = true
-	return true, nil
+	if err := w.conn.QueryRow(qctx, wakeHolderSQL, wakeLockClass, w.key).Scan(&idle); err != nil {
+		return false, fmt.Errorf("wake lock: find the holder: %w", err)
+	}
+	return idle, nil
 }
 
 // release gives the lock up.

@@ -43,7 +43,8 @@ type Config struct {
 	// Pool sends the heartbeat notifications. Required.
 	Pool *pgxpool.Pool
 	// Payload filters notifications: only those whose payload equals it wake
-	// (the trigger sends its schema's name). Required.
+	// (the trigger sends TG_TABLE_SCHEMA, the schema that holds
+	// outbox_event, which is not always current_schema()). Required.
 	Payload string
 	// ReconnectDelay is the wait before reconnecting after a failure.
 	// 0 means 1 s (pgxlisten's own default of one minute is far too long).

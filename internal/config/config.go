@@ -22,6 +22,7 @@ type Config struct {
 	DispatcherEnabled   bool `envconfig:"OUTBOX_DISPATCHER_ENABLED" default:"false"`
 	DispatchIntervalMS  int  `envconfig:"OUTBOX_DISPATCH_INTERVAL_MS" default:"1000"`
 	DispatchBatchSize   int  `envconfig:"OUTBOX_DISPATCH_BATCH_SIZE" default:"100"`
+	DispatchBatchBytes  int  `envconfig:"OUTBOX_DISPATCH_BATCH_BYTES" default:"4194304"`
 	DispatchConcurrency int  `envconfig:"OUTBOX_DISPATCH_CONCURRENCY" default:"10"`
 	DispatchTimeoutMS   int  `envconfig:"OUTBOX_DISPATCH_TIMEOUT_MS" default:"30000"`
 	MaxRetries          int  `envconfig:"OUTBOX_MAX_RETRIES" default:"6"`
@@ -89,6 +90,7 @@ func (c *Config) Validate() error {
 	rules := []intRule{
 		{"OUTBOX_DISPATCH_INTERVAL_MS", c.DispatchIntervalMS, 1, 3_600_000},
 		{"OUTBOX_DISPATCH_BATCH_SIZE", c.DispatchBatchSize, 1, 10_000},
+		{"OUTBOX_DISPATCH_BATCH_BYTES", c.DispatchBatchBytes, 1024, 1 << 30},
 		{"OUTBOX_DISPATCH_CONCURRENCY", c.DispatchConcurrency, 1, 1000},
 		{"OUTBOX_DISPATCH_TIMEOUT_MS", c.DispatchTimeoutMS, 100, 3_600_000},
 		{"OUTBOX_MAX_RETRIES", c.MaxRetries, 0, 1000},
@@ -153,6 +155,7 @@ func (c *Config) Dispatcher() dispatcher.Config {
 	}
 	return dispatcher.Config{
 		BatchSize:          c.DispatchBatchSize,
+		BatchBytes:         c.DispatchBatchBytes,
 		Concurrency:        c.DispatchConcurrency,
 		PollInterval:       ms(c.DispatchIntervalMS),
 		ListenDisabled:     !c.ListenEnabled,

@@ -21,7 +21,7 @@ func TestDefaults(t *testing.T) {
 		t.Fatalf("defaults = %+v", c)
 	}
 	d := c.Dispatcher()
-	if d.PollInterval != time.Second || d.BatchSize != 100 || d.Concurrency != 10 || d.MaxRetries != 6 || d.ListenDisabled || d.RiverFetchCooldown != time.Millisecond {
+	if d.PollInterval != time.Second || d.BatchSize != 100 || d.BatchBytes != 4<<20 || d.Concurrency != 10 || d.MaxRetries != 6 || d.ListenDisabled || d.RiverFetchCooldown != time.Millisecond {
 		t.Fatalf("dispatcher config = %+v", d)
 	}
 }
@@ -34,6 +34,8 @@ func TestInvalidValuesNameTheVariable(t *testing.T) {
 		{"OUTBOX_DISPATCH_BATCH_SIZE", "0", "OUTBOX_DISPATCH_BATCH_SIZE=0 is out of range"},
 		{"OUTBOX_DISPATCH_BATCH_SIZE", "100000", "OUTBOX_DISPATCH_BATCH_SIZE=100000 is out of range"},
 		{"OUTBOX_DISPATCH_BATCH_SIZE", "1.5", `OUTBOX_DISPATCH_BATCH_SIZE="1.5" is not a valid int`},
+		{"OUTBOX_DISPATCH_BATCH_BYTES", "100", "OUTBOX_DISPATCH_BATCH_BYTES=100 is out of range: it must be between 1024 and 1073741824"},
+		{"OUTBOX_DISPATCH_BATCH_BYTES", "4MiB", `OUTBOX_DISPATCH_BATCH_BYTES="4MiB" is not a valid int`},
 		{"OUTBOX_DISPATCH_CONCURRENCY", "0", "OUTBOX_DISPATCH_CONCURRENCY=0"},
 		{"OUTBOX_DISPATCH_CONCURRENCY", "-1", "OUTBOX_DISPATCH_CONCURRENCY=-1"},
 		{"OUTBOX_MAX_RETRIES", "-1", "OUTBOX_MAX_RETRIES=-1"},
