@@ -648,8 +648,11 @@ func (h *Handoff) handoff(ctx context.Context, tx *pipeTx, events []Event) (Resu
 			DispatchKey: e.DispatchKey,
 			CreatedAt:   e.CreatedAt,
 		}
-		for _, q := range rule.Queues {
-			params = append(params, river.InsertManyParams{Args: args, InsertOpts: &river.InsertOpts{Queue: q}})
+		// One job per queue of the rule, shaped by the route (kind, args,
+		// priority, max attempts, tags) and carrying the event in its
+		// metadata; in the rule's order, so river_job_ids keeps route order.
+		for _, p := range outboxriver.JobParams(rule, args) {
+			params = append(params, p)
 			jobEvent = append(jobEvent, e.ID)
 		}
 		res.Done++
