@@ -39,6 +39,9 @@ func TestDeepPayloadIsDeadLetteredAndDoesNotStall(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
 	ctx := pgtest.Context(t, 2*time.Minute)
+	// A row stored before the payload rule existed (or by a writer that
+	// bypassed it): today's guard trigger would refuse it.
+	pgtest.AllowAnyPayload(t, s.Pool)
 
 	var poison int64
 	err := s.Pool.QueryRow(ctx, `INSERT INTO outbox_event (event_type, payload, scheduled_at)
