@@ -16,11 +16,11 @@ import (
 const (
 	// DefaultLimit is the most events one Requeue or Cancel changes when
 	// Selection.Limit is 0.
-	DefaultLimit = filter.DefaultLimit
+	DefaultLimit = 1000
 	// MaxLimit is the largest Selection.Limit.
-	MaxLimit = filter.MaxLimit
+	MaxLimit = 100000
 	// MaxIDs is the most ids one Selection may name.
-	MaxIDs = filter.MaxIDs
+	MaxIDs = 10000
 )
 
 // Selection picks the events that Requeue or Cancel change. Every field

@@ -43,6 +43,8 @@ type SelectionError struct {
 	Msg  string
 }
 
+// Error is "--flag: message", or the message alone for a rule about the
+// whole selection.
 func (e *SelectionError) Error() string {
 	if e.Flag == "" {
 		return e.Msg
