@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/outboxhq/outbox"
 	"github.com/outboxhq/outbox/admin"
 	"github.com/outboxhq/outbox/internal/pgtest"
 	"github.com/outboxhq/outbox/retention"
@@ -375,6 +376,10 @@ func TestSchemaMissing(t *testing.T) {
 			_, err := cl.Cancel(ctx, admin.Selection{IDs: []int64{1}}, admin.CancelOpts{Actor: "a"})
 			return err
 		},
+		"Publish": func() error {
+			_, err := cl.Publish(ctx, outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(`{}`)})
+			return err
+		},
 		"Stats":   func() error { _, err := cl.Stats(ctx, admin.StatsOpts{}); return err },
 		"Explain": func() error { _, err := cl.Explain(ctx, 1, admin.ExplainOpts{}); return err },
 		"AuditList": func() error {
@@ -391,5 +396,29 @@ func TestSchemaMissing(t *testing.T) {
 		if !errors.Is(err, admin.ErrSchemaMissing) || err.Error() != want {
 			t.Errorf("%s: %v; want ErrSchemaMissing saying %q", name, err, want)
 		}
+	}
+}
+
+// TestPublishInItsOwnTransaction: Publish commits one event, returns the
+// existing one for a duplicate key, and refuses invalid input.
+func TestPublishInItsOwnTransaction(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, time.Minute)
+	cl := admin.New(s.Pool)
+	ev := outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(`{"user":1}`), TenantID: "acme", DispatchKey: "k1"}
+	first, err := cl.Publish(ctx, ev)
+	if err != nil || first.ID == 0 || first.Duplicate {
+		t.Fatalf("publish: %+v %v", first, err)
+	}
+	if st := statusOf(t, s, first.ID); st != "pending" {
+		t.Fatalf("published event is %s", st)
+	}
+	again, err := cl.Publish(ctx, ev)
+	if err != nil || again.ID != first.ID || !again.Duplicate {
+		t.Fatalf("duplicate: %+v %v", again, err)
+	}
+	if _, err := cl.Publish(ctx, outbox.Event{Type: "Bad.Type", Payload: json.RawMessage(`{}`)}); err == nil {
+		t.Fatal("a bad type was published")
 	}
 }

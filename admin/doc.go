@@ -1,9 +1,9 @@
 // Package admin is the operator's API of the outbox: requeue and cancel
 // events, read the counters and alerts, explain what happened to one event,
-// list the audit log and run retention now. outboxctl's requeue, cancel,
-// stats, explain, audit and retention commands are thin layers over it
-// (flag parsing and rendering), and an operator console calls the same
-// methods.
+// list the audit log, run retention now and publish one event. outboxctl's
+// requeue, cancel, stats, explain, audit, retention and publish commands
+// are thin layers over it (flag parsing and rendering), and an operator
+// console calls the same methods.
 //
 // Every method takes a context and returns a typed result that carries JSON
 // tags (outboxctl --json prints these values), or an error a caller can
