@@ -7,8 +7,6 @@ import (
 	"log/slog"
 	"os"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/outboxhq/outbox"
 	outboxsql "github.com/outboxhq/outbox/sql"
 )
@@ -61,16 +59,11 @@ func runPublish(ctx context.Context, c *cli, args []string) error {
 	if _, err := outbox.ValidateEvent(ev); err != nil {
 		return &usageError{err.Error()}
 	}
-	pool, err := c.db(ctx)
+	cl, err := c.admin(ctx)
 	if err != nil {
 		return err
 	}
-	var res outbox.Published
-	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		var err error
-		res, err = outbox.Publish(ctx, tx, ev)
-		return err
-	})
+	res, err := cl.Publish(ctx, ev)
 	if err != nil {
 		return err
 	}

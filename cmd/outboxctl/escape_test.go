@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/outboxhq/outbox/admin"
 	"github.com/outboxhq/outbox/internal/pgtest"
 )
 
@@ -52,7 +53,7 @@ func TestTextOutputEscapesControlCharacters(t *testing.T) {
 	}
 	// JSON carries the exact values (encoding/json escapes them).
 	code, stdout, _ = ctl(t, s.URL, "explain", "--json", fmt.Sprint(id))
-	var res explainResult
+	var res admin.Explanation
 	if err := json.Unmarshal([]byte(stdout), &res); code != 0 || err != nil {
 		t.Fatalf("explain --json: exit %d, %v", code, err)
 	}

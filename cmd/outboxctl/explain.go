@@ -1,9 +1,9 @@
 package main
 
+// explain: flags and rendering; admin.Client.Explain does the work.
+
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -11,100 +11,9 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
-
+	"github.com/outboxhq/outbox/admin"
 	"github.com/outboxhq/outbox/route"
 )
-
-// explainResult is `outboxctl explain --json`.
-type explainResult struct {
-	Event    explainEvent     `json:"event"`
-	Routes   *explainRoutes   `json:"routes"`
-	Jobs     []explainJob     `json:"jobs"`
-	Receipts []explainReceipt `json:"receipts"`
-}
-
-type explainEvent struct {
-	ID          int64      `json:"id"`
-	Type        string     `json:"event_type"`
-	TenantID    *string    `json:"tenant_id"`
-	DispatchKey *string    `json:"dispatch_key"`
-	Status      string     `json:"status"`
-	Retries     int        `json:"retries"`
-	LastError   *string    `json:"last_error"`
-	CreatedAt   time.Time  `json:"created_at"`
-	ScheduledAt time.Time  `json:"scheduled_at"`
-	LockedUntil *time.Time `json:"locked_until"`
-	ProcessedAt *time.Time `json:"processed_at"`
-	RiverJobIDs []int64    `json:"river_job_ids"`
-	// Payload is the stored JSON, embedded as it is; it is null (and
-	// PayloadText holds it) when the payload cannot be embedded in this
-	// document (nested deeper than encoding/json accepts).
-	Payload     json.RawMessage `json:"payload"`
-	PayloadText *string         `json:"payload_text,omitempty"`
-	// payload is the text read from the database, never decoded.
-	payload string
-}
-
-// explainRoutes is what the routes file says about the event now (the
-// routes at handoff time may have been different).
-type explainRoutes struct {
-	File    string   `json:"file"`
-	Matched bool     `json:"matched"`
-	Prefix  string   `json:"prefix,omitempty"`
-	Queues  []string `json:"queues"`
-}
-
-type explainJob struct {
-	ID int64 `json:"id"`
-	// Found is false when River has deleted the job (its cleaner removes
-	// finalized jobs after their retention period, 24 h by default).
-	Found       bool            `json:"found"`
-	Queue       string          `json:"queue,omitempty"`
-	State       string          `json:"state,omitempty"`
-	Attempt     int             `json:"attempt"`
-	MaxAttempts int             `json:"max_attempts"`
-	AttemptedBy []string        `json:"attempted_by"`
-	Errors      []explainJobErr `json:"errors"`
-	CreatedAt   *time.Time      `json:"created_at,omitempty"`
-	ScheduledAt *time.Time      `json:"scheduled_at,omitempty"`
-	AttemptedAt *time.Time      `json:"attempted_at,omitempty"`
-	FinalizedAt *time.Time      `json:"finalized_at,omitempty"`
-}
-
-type explainJobErr struct {
-	Attempt int       `json:"attempt"`
-	At      time.Time `json:"at"`
-	Error   string    `json:"error"`
-}
-
-type explainReceipt struct {
-	Receiver    string          `json:"receiver"`
-	State       string          `json:"state"`
-	JobID       *int64          `json:"job_id"`
-	Attempt     *int            `json:"attempt"`
-	CreatedAt   time.Time       `json:"created_at"`
-	CompletedAt *time.Time      `json:"completed_at"`
-	ExpiresAt   time.Time       `json:"expires_at"`
-	Result      json.RawMessage `json:"result,omitempty"`
-}
-
-const explainEventSQL = `
-SELECT id, event_type, tenant_id, dispatch_key, status::text, retries, last_error,
-       created_at, scheduled_at, locked_until, processed_at, coalesce(river_job_ids, '{}'), payload::text
-FROM outbox_event WHERE id = $1`
-
-// explainJobsSQL reads the jobs by primary key: the handoff recorded their
-// ids in outbox_event.river_job_ids, so nothing scans river_job by args.
-const explainJobsSQL = `
-SELECT id, queue, state::text, attempt, max_attempts, coalesce(attempted_by, '{}'),
-       coalesce(to_jsonb(errors), '[]'), created_at, scheduled_at, attempted_at, finalized_at
-FROM river_job WHERE id = ANY($1::bigint[])`
-
-const explainReceiptsSQL = `
-SELECT receiver, state, job_id, attempt, created_at, completed_at, expires_at, result::text
-FROM outbox_receipt WHERE event_id = $1 ORDER BY receiver`
 
 func runExplain(ctx context.Context, c *cli, args []string) error {
 	fs := c.flags("explain")
@@ -127,126 +36,25 @@ func runExplain(ctx context.Context, c *cli, args []string) error {
 	if err != nil || id <= 0 {
 		return usagef("event id %q is not a positive whole number", idArg)
 	}
-	var routes *route.Table
+	opts := admin.ExplainOpts{RoutesFile: *routesFile}
 	if *routesFile != "" {
-		if routes, err = route.Load(*routesFile); err != nil {
+		if opts.Routes, err = route.Load(*routesFile); err != nil {
 			return usagef("--routes: %v", err)
 		}
 	}
-	pool, err := c.db(ctx)
+	cl, err := c.admin(ctx)
 	if err != nil {
 		return err
 	}
-	res, err := explain(ctx, pool, id)
+	res, err := cl.Explain(ctx, id, opts)
 	if err != nil {
 		return err
-	}
-	if routes != nil {
-		r := &explainRoutes{File: *routesFile, Queues: []string{}}
-		if rule, ok := routes.Match(res.Event.Type); ok {
-			r.Matched, r.Prefix, r.Queues = true, rule.Prefix, rule.Queues
-		}
-		res.Routes = r
 	}
 	if c.jsonOut {
 		return c.printJSON(res)
 	}
 	printExplain(c.stdout, res)
 	return nil
-}
-
-// errEventNotFound is the message for an unknown id.
-func errEventNotFound(id int64) error {
-	return fmt.Errorf("event %d not found: no outbox_event row has this id (it never existed, or retention purged it after it was done)", id)
-}
-
-func explain(ctx context.Context, pool *pgxpool.Pool, id int64) (*explainResult, error) {
-	res := &explainResult{Jobs: []explainJob{}, Receipts: []explainReceipt{}}
-	e := &res.Event
-	err := pool.QueryRow(ctx, explainEventSQL, id).Scan(&e.ID, &e.Type, &e.TenantID, &e.DispatchKey, &e.Status, &e.Retries, &e.LastError,
-		&e.CreatedAt, &e.ScheduledAt, &e.LockedUntil, &e.ProcessedAt, &e.RiverJobIDs, &e.payload)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return nil, errEventNotFound(id)
-	}
-	if err != nil {
-		return nil, fmt.Errorf("read event %d: %w", id, err)
-	}
-	// The payload is read as text, never decoded (a row nested deeper than
-	// encoding/json accepts must still be explained); it is embedded in
-	// --json output when encoding/json can carry it, else given as text.
-	if raw := json.RawMessage(e.payload); json.Valid(raw) {
-		e.Payload = raw
-	} else {
-		e.PayloadText = &e.payload
-	}
-
-	found := map[int64]explainJob{}
-	if len(e.RiverJobIDs) > 0 {
-		rows, err := pool.Query(ctx, explainJobsSQL, e.RiverJobIDs)
-		if err != nil {
-			return nil, fmt.Errorf("read River jobs %v: %w", e.RiverJobIDs, err)
-		}
-		for rows.Next() {
-			var (
-				j              = explainJob{Found: true}
-				rawErrs        []byte
-				created, sched time.Time
-			)
-			if err := rows.Scan(&j.ID, &j.Queue, &j.State, &j.Attempt, &j.MaxAttempts, &j.AttemptedBy, &rawErrs,
-				&created, &sched, &j.AttemptedAt, &j.FinalizedAt); err != nil {
-				rows.Close()
-				return nil, fmt.Errorf("read River jobs: %w", err)
-			}
-			j.CreatedAt, j.ScheduledAt = &created, &sched
-			j.Errors = []explainJobErr{}
-			if err := json.Unmarshal(rawErrs, &j.Errors); err != nil {
-				rows.Close()
-				return nil, fmt.Errorf("read errors of River job %d: %w", j.ID, err)
-			}
-			found[j.ID] = j
-		}
-		if err := rows.Err(); err != nil {
-			return nil, fmt.Errorf("read River jobs: %w", err)
-		}
-	}
-	for _, jid := range e.RiverJobIDs {
-		j, ok := found[jid]
-		if !ok {
-			j = explainJob{ID: jid, AttemptedBy: []string{}, Errors: []explainJobErr{}}
-		}
-		res.Jobs = append(res.Jobs, j)
-	}
-
-	rows, err := pool.Query(ctx, explainReceiptsSQL, id)
-	if err != nil {
-		return nil, fmt.Errorf("read receipts of event %d: %w", id, err)
-	}
-	for rows.Next() {
-		var r explainReceipt
-		var result *string
-		if err := rows.Scan(&r.Receiver, &r.State, &r.JobID, &r.Attempt, &r.CreatedAt, &r.CompletedAt, &r.ExpiresAt, &result); err != nil {
-			rows.Close()
-			return nil, fmt.Errorf("read receipts: %w", err)
-		}
-		if result != nil {
-			r.Result = embedJSON(*result)
-		}
-		res.Receipts = append(res.Receipts, r)
-	}
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("read receipts: %w", err)
-	}
-	return res, nil
-}
-
-// embedJSON returns text as JSON to embed in a document: as it is when
-// encoding/json accepts it, else as a JSON string holding the text.
-func embedJSON(text string) json.RawMessage {
-	if raw := json.RawMessage(text); json.Valid(raw) {
-		return raw
-	}
-	quoted, _ := json.Marshal(text)
-	return quoted
 }
 
 func fmtTime(t *time.Time) string {
@@ -263,7 +71,7 @@ func orDash(s *string) string {
 	return *s
 }
 
-func printExplain(w io.Writer, res *explainResult) {
+func printExplain(w io.Writer, res *admin.Explanation) {
 	e := res.Event
 	// Every value from the database goes through clean (escape.go).
 	fmt.Fprintf(w, "event %d  %s  status %s\n", e.ID, clean(e.Type), clean(e.Status))
@@ -279,9 +87,15 @@ func printExplain(w io.Writer, res *explainResult) {
 	if e.LastError != nil {
 		fmt.Fprintf(w, "  last error    %s\n", clean(*e.LastError))
 	}
-	payload := e.payload
+	// The payload as stored: embedded JSON, or the text encoding/json
+	// could not carry.
+	stored := string(e.Payload)
+	if e.PayloadText != nil {
+		stored = *e.PayloadText
+	}
+	payload := stored
 	if len(payload) > 300 {
-		payload = payload[:300] + "… (" + strconv.Itoa(len(e.payload)) + " bytes; --json shows all)"
+		payload = payload[:300] + "… (" + strconv.Itoa(len(stored)) + " bytes; --json shows all)"
 	}
 	fmt.Fprintf(w, "  payload       %s\n", clean(payload))
 

@@ -19,6 +19,7 @@ import (
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
 
+	"github.com/outboxhq/outbox/admin"
 	"github.com/outboxhq/outbox/alert"
 	"github.com/outboxhq/outbox/claim"
 	"github.com/outboxhq/outbox/internal/pgtest"
@@ -132,7 +133,7 @@ func TestExplainShowsJobsReceiptsAndRoutes(t *testing.T) {
 	if code != 0 {
 		t.Fatalf("--json: exit %d: %s", code, stderr)
 	}
-	var res explainResult
+	var res admin.Explanation
 	if err := json.Unmarshal([]byte(stdout), &res); err != nil {
 		t.Fatalf("--json output is not JSON: %v\n%s", err, stdout)
 	}

@@ -5,6 +5,7 @@
 //	outboxctl requeue [filters]    put failed/cancelled events back to pending
 //	outboxctl cancel [filters]     move pending/failed events to cancelled
 //	outboxctl stats [--check]      counts, lag, River queues, alerts
+//	outboxctl explain <event-id>   what happened to one event: row, routes, River jobs, receipts
 //	outboxctl retention run        purge old done events now
 //	outboxctl audit                list the operator actions recorded
 //
@@ -33,6 +34,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxhq/outbox/admin"
 	"github.com/outboxhq/outbox/internal/dbconn"
 	"github.com/outboxhq/outbox/internal/schemacheck"
 )
@@ -153,11 +155,15 @@ func run(args []string, dbURL string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	err := cmd.run(ctx, c, args[1:])
-	if err != nil && c.pool != nil && args[0] != "migrate" {
+	if err != nil && c.pool != nil && args[0] != "migrate" && !errors.Is(err, admin.ErrSchemaMissing) {
 		// A command run before `outboxctl migrate` says so.
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 		err = schemacheck.Explain(sctx, c.pool, err)
 		cancel()
+	}
+	// A selection or option refused by the admin package is bad usage.
+	if serr := (*admin.SelectionError)(nil); errors.As(err, &serr) {
+		err = &usageError{serr.Error()}
 	}
 	var uerr *usageError
 	switch {

@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 
+	"github.com/outboxhq/outbox/admin"
 	"github.com/outboxhq/outbox/dispatcher"
 	"github.com/outboxhq/outbox/internal/pgtest"
 	outboxriver "github.com/outboxhq/outbox/river"
@@ -576,13 +577,13 @@ func waitUntil(t *testing.T, ctx context.Context, what string, cond func() bool)
 }
 
 type statsOut struct {
-	Events               map[string]int64 `json:"events"`
-	OldestDuePendingAgeS float64          `json:"oldest_due_pending_age_seconds"`
-	PendingDueOver60s    int64            `json:"pending_due_over_60s"`
-	Queues               []queueStats     `json:"queues"`
-	WorkedQueuesKnown    bool             `json:"worked_queues_known"`
-	UnworkedRoutes       []unworkedRoute  `json:"unworked_routes"`
-	Alerts               []statsAlert     `json:"alerts"`
+	Events               map[string]int64      `json:"events"`
+	OldestDuePendingAgeS float64               `json:"oldest_due_pending_age_seconds"`
+	PendingDueOver60s    int64                 `json:"pending_due_over_60s"`
+	Queues               []admin.QueueStats    `json:"queues"`
+	WorkedQueuesKnown    bool                  `json:"worked_queues_known"`
+	UnworkedRoutes       []admin.UnworkedRoute `json:"unworked_routes"`
+	Alerts               []admin.Alert         `json:"alerts"`
 }
 
 func TestStats(t *testing.T) {
@@ -629,7 +630,7 @@ func TestStats(t *testing.T) {
 	if st.PendingDueOver60s != 2 || st.OldestDuePendingAgeS < 110 || st.OldestDuePendingAgeS > 3600 {
 		t.Fatalf("pending lag: %d behind, oldest %.0fs; want 2 behind, oldest ~120s", st.PendingDueOver60s, st.OldestDuePendingAgeS)
 	}
-	got := map[string]queueStats{}
+	got := map[string]admin.QueueStats{}
 	for _, q := range st.Queues {
 		got[q.Queue] = q
 	}
@@ -643,7 +644,7 @@ func TestStats(t *testing.T) {
 	if len(st.UnworkedRoutes) != 1 || st.UnworkedRoutes[0].Queue != "outbox_audit" {
 		t.Fatalf("unworked routes %+v", st.UnworkedRoutes)
 	}
-	names := func(as []statsAlert) []string {
+	names := func(as []admin.Alert) []string {
 		var out []string
 		for _, a := range as {
 			out = append(out, a.Name)
@@ -724,7 +725,7 @@ func TestRetentionRunCommand(t *testing.T) {
 	if err := s.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event`).Scan(&left); err != nil || left != 6 {
 		t.Fatalf("%d rows left, want 6 (4 recent done, 2 failed): %v", left, err)
 	}
-	audit := ctlJSON[[]auditRow](t, s, "audit", "--action", "retention")
+	audit := ctlJSON[[]admin.AuditEntry](t, s, "audit", "--action", "retention")
 	if len(audit) != 1 || audit[0].Actor != "bob" || audit[0].Affected != 15 {
 		t.Fatalf("audit %+v", audit)
 	}

@@ -23,6 +23,7 @@ import (
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 
 	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/admin"
 	"github.com/outboxhq/outbox/alert"
 	"github.com/outboxhq/outbox/claim"
 	"github.com/outboxhq/outbox/internal/pgtest"
@@ -180,7 +181,7 @@ func TestEveryCommandUnderEveryRole(t *testing.T) {
 		if v := okJSON("retention", "run", "--actor", "alice"); v["deleted"] != float64(5) || v["audit_id"] != float64(3) {
 			t.Errorf("retention run as operator = %v, want 5 deleted, audit #3", v)
 		}
-		var audit []auditRow
+		var audit []admin.AuditEntry
 		code, out, errOut := ctlAs(opURL, "audit", "--json")
 		if code != 0 || json.Unmarshal([]byte(out), &audit) != nil || len(audit) != 3 {
 			t.Fatalf("audit as operator: exit %d, %q %q", code, out, errOut)

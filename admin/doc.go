@@ -1,0 +1,28 @@
+// Package admin is the operator's API of the outbox: requeue and cancel
+// events, read the counters and alerts, explain what happened to one event,
+// list the audit log, run retention now and publish one event. outboxctl's
+// requeue, cancel, stats, explain, audit, retention and publish commands
+// are thin layers over it (flag parsing and rendering), and an operator
+// console calls the same methods.
+//
+// Every method takes a context and returns a typed result that carries JSON
+// tags (outboxctl --json prints these values), or an error a caller can
+// branch on:
+//
+//   - a *SelectionError for a selection or an option refused before
+//     anything touches the database (outboxctl exits 2);
+//   - ErrNotFound (errors.Is) for an event id that no row has;
+//   - ErrSchemaMissing (errors.Is) when the outbox's tables are not on the
+//     connection's search_path: run `outboxctl migrate` first;
+//   - any other error is the database's.
+//
+// Requeue and Cancel change events through the audited SQL functions
+// outbox_requeue and outbox_cancel (migration 007): the change and its audit
+// row commit together, and a dry run changes and records nothing. The
+// package builds no SQL from its input: every query is a constant with
+// parameters.
+//
+//	cli := admin.New(pool)
+//	sel := admin.Selection{TypePrefix: "mail.", Statuses: []string{"failed"}}
+//	res, err := cli.Requeue(ctx, sel, admin.RequeueOpts{Actor: "alice", DryRun: true})
+package admin

@@ -1,0 +1,230 @@
+package admin
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/outboxhq/outbox/route"
+)
+
+// ExplainOpts are the options of Explain.
+type ExplainOpts struct {
+	// Routes, when set, are matched against the event's type now
+	// (Explanation.Routes); nil leaves Explanation.Routes nil.
+	Routes *route.Table
+	// RoutesFile names where Routes came from, reported in RouteMatch.File.
+	RoutesFile string
+}
+
+// Explanation is what happened to one event: its row, the routes it matches
+// now, its River jobs and its receivers' receipts.
+type Explanation struct {
+	Event EventDetail `json:"event"`
+	// Routes is nil when no routes were given.
+	Routes *RouteMatch `json:"routes"`
+	// Jobs are the River jobs the handoff recorded, in the recorded order.
+	Jobs []JobDetail `json:"jobs"`
+	// Receipts are the receivers' outbox_receipt rows, by receiver.
+	Receipts []Receipt `json:"receipts"`
+}
+
+// EventDetail is one outbox_event row.
+type EventDetail struct {
+	ID          int64      `json:"id"`
+	Type        string     `json:"event_type"`
+	TenantID    *string    `json:"tenant_id"`
+	DispatchKey *string    `json:"dispatch_key"`
+	Status      string     `json:"status"`
+	Retries     int        `json:"retries"`
+	LastError   *string    `json:"last_error"`
+	CreatedAt   time.Time  `json:"created_at"`
+	ScheduledAt time.Time  `json:"scheduled_at"`
+	LockedUntil *time.Time `json:"locked_until"`
+	ProcessedAt *time.Time `json:"processed_at"`
+	// RiverJobIDs are the jobs the handoff inserted (empty before the
+	// handoff, and for events handed off before ids were recorded).
+	RiverJobIDs []int64 `json:"river_job_ids"`
+	// Payload is the stored JSON, as the database prints it; it is nil
+	// (and PayloadText holds it) when the payload cannot be embedded in a
+	// JSON document (nested deeper than encoding/json accepts).
+	Payload     json.RawMessage `json:"payload"`
+	PayloadText *string         `json:"payload_text,omitempty"`
+}
+
+// RouteMatch is what the routes say about the event now (the routes at
+// handoff time may have been different).
+type RouteMatch struct {
+	File    string   `json:"file"`
+	Matched bool     `json:"matched"`
+	Prefix  string   `json:"prefix,omitempty"`
+	Queues  []string `json:"queues"`
+}
+
+// JobDetail is one River job of the event.
+type JobDetail struct {
+	ID int64 `json:"id"`
+	// Found is false when River has deleted the job (its cleaner removes
+	// finalized jobs after their retention period, 24 h by default); the
+	// other fields are then empty.
+	Found       bool       `json:"found"`
+	Queue       string     `json:"queue,omitempty"`
+	State       string     `json:"state,omitempty"`
+	Attempt     int        `json:"attempt"`
+	MaxAttempts int        `json:"max_attempts"`
+	AttemptedBy []string   `json:"attempted_by"`
+	Errors      []JobError `json:"errors"`
+	CreatedAt   *time.Time `json:"created_at,omitempty"`
+	ScheduledAt *time.Time `json:"scheduled_at,omitempty"`
+	AttemptedAt *time.Time `json:"attempted_at,omitempty"`
+	FinalizedAt *time.Time `json:"finalized_at,omitempty"`
+}
+
+// JobError is one failed attempt of a River job.
+type JobError struct {
+	Attempt int       `json:"attempt"`
+	At      time.Time `json:"at"`
+	Error   string    `json:"error"`
+}
+
+// Receipt is one receiver's outbox_receipt row for the event.
+type Receipt struct {
+	Receiver    string     `json:"receiver"`
+	State       string     `json:"state"`
+	JobID       *int64     `json:"job_id"`
+	Attempt     *int       `json:"attempt"`
+	CreatedAt   time.Time  `json:"created_at"`
+	CompletedAt *time.Time `json:"completed_at"`
+	ExpiresAt   time.Time  `json:"expires_at"`
+	// Result is the receiver's stored result; text that is not valid JSON
+	// is given as a JSON string.
+	Result json.RawMessage `json:"result,omitempty"`
+}
+
+const explainEventSQL = `
+SELECT id, event_type, tenant_id, dispatch_key, status::text, retries, last_error,
+       created_at, scheduled_at, locked_until, processed_at, coalesce(river_job_ids, '{}'), payload::text
+FROM outbox_event WHERE id = $1`
+
+// explainJobsSQL reads the jobs by primary key: the handoff recorded their
+// ids in outbox_event.river_job_ids, so nothing scans river_job by args.
+const explainJobsSQL = `
+SELECT id, queue, state::text, attempt, max_attempts, coalesce(attempted_by, '{}'),
+       coalesce(to_jsonb(errors), '[]'), created_at, scheduled_at, attempted_at, finalized_at
+FROM river_job WHERE id = ANY($1::bigint[])`
+
+const explainReceiptsSQL = `
+SELECT receiver, state, job_id, attempt, created_at, completed_at, expires_at, result::text
+FROM outbox_receipt WHERE event_id = $1 ORDER BY receiver`
+
+// Explain reads one event, its River jobs (by the ids the handoff
+// recorded) and its receipts, and matches opts.Routes against its type. It
+// returns ErrNotFound when no row has the id.
+func (c *Client) Explain(ctx context.Context, id int64, opts ExplainOpts) (*Explanation, error) {
+	res, err := c.explainEvent(ctx, id)
+	if err != nil {
+		return nil, c.explain(ctx, err)
+	}
+	if opts.Routes != nil {
+		r := &RouteMatch{File: opts.RoutesFile, Queues: []string{}}
+		if rule, ok := opts.Routes.Match(res.Event.Type); ok {
+			r.Matched, r.Prefix, r.Queues = true, rule.Prefix, rule.Queues
+		}
+		res.Routes = r
+	}
+	return res, nil
+}
+
+func (c *Client) explainEvent(ctx context.Context, id int64) (*Explanation, error) {
+	res := &Explanation{Jobs: []JobDetail{}, Receipts: []Receipt{}}
+	e := &res.Event
+	var payload string
+	err := c.pool.QueryRow(ctx, explainEventSQL, id).Scan(&e.ID, &e.Type, &e.TenantID, &e.DispatchKey, &e.Status, &e.Retries, &e.LastError,
+		&e.CreatedAt, &e.ScheduledAt, &e.LockedUntil, &e.ProcessedAt, &e.RiverJobIDs, &payload)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, &notFoundError{id: id}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read event %d: %w", id, err)
+	}
+	// The payload is read as text, never decoded (a row nested deeper than
+	// encoding/json accepts must still be explained); it is embedded when
+	// encoding/json can carry it, else given as text.
+	if raw := json.RawMessage(payload); json.Valid(raw) {
+		e.Payload = raw
+	} else {
+		e.PayloadText = &payload
+	}
+
+	found := map[int64]JobDetail{}
+	if len(e.RiverJobIDs) > 0 {
+		rows, err := c.pool.Query(ctx, explainJobsSQL, e.RiverJobIDs)
+		if err != nil {
+			return nil, fmt.Errorf("read River jobs %v: %w", e.RiverJobIDs, err)
+		}
+		for rows.Next() {
+			var (
+				j              = JobDetail{Found: true}
+				rawErrs        []byte
+				created, sched time.Time
+			)
+			if err := rows.Scan(&j.ID, &j.Queue, &j.State, &j.Attempt, &j.MaxAttempts, &j.AttemptedBy, &rawErrs,
+				&created, &sched, &j.AttemptedAt, &j.FinalizedAt); err != nil {
+				rows.Close()
+				return nil, fmt.Errorf("read River jobs: %w", err)
+			}
+			j.CreatedAt, j.ScheduledAt = &created, &sched
+			j.Errors = []JobError{}
+			if err := json.Unmarshal(rawErrs, &j.Errors); err != nil {
+				rows.Close()
+				return nil, fmt.Errorf("read errors of River job %d: %w", j.ID, err)
+			}
+			found[j.ID] = j
+		}
+		if err := rows.Err(); err != nil {
+			return nil, fmt.Errorf("read River jobs: %w", err)
+		}
+	}
+	for _, jid := range e.RiverJobIDs {
+		j, ok := found[jid]
+		if !ok {
+			j = JobDetail{ID: jid, AttemptedBy: []string{}, Errors: []JobError{}}
+		}
+		res.Jobs = append(res.Jobs, j)
+	}
+
+	rows, err := c.pool.Query(ctx, explainReceiptsSQL, id)
+	if err != nil {
+		return nil, fmt.Errorf("read receipts of event %d: %w", id, err)
+	}
+	for rows.Next() {
+		var r Receipt
+		var result *string
+		if err := rows.Scan(&r.Receiver, &r.State, &r.JobID, &r.Attempt, &r.CreatedAt, &r.CompletedAt, &r.ExpiresAt, &result); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("read receipts: %w", err)
+		}
+		if result != nil {
+			r.Result = embedJSON(*result)
+		}
+		res.Receipts = append(res.Receipts, r)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read receipts: %w", err)
+	}
+	return res, nil
+}
+
+// embedJSON returns text as JSON to embed in a document: as it is when
+// encoding/json accepts it, else as a JSON string holding the text.
+func embedJSON(text string) json.RawMessage {
+	if raw := json.RawMessage(text); json.Valid(raw) {
+		return raw
+	}
+	quoted, _ := json.Marshal(text)
+	return quoted
+}
