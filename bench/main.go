@@ -10,7 +10,7 @@
 // and PNG plots under -out. See docs/benchmarks.md.
 //
 //	go run . -quick            # under a minute (CI)
-//	go run .                   # the full suite, about five minutes
+//	go run .                   # the full suite, about eight minutes
 //	go run . -scenarios latency -rate 500 -duration 20s
 //	go run . -scenarios rates -peers graphile
 package main

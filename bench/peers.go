@@ -32,7 +32,7 @@ type graphilePeer struct {
 // from Debian's packages when missing, then npm ci). When it cannot, it
 // returns nil and a note saying why: the peer is skipped, the suite goes
 // on.
-func prepareGraphile(ctx context.Context, e *env, o *Options) (*graphilePeer, string) {
+func prepareGraphile(ctx context.Context, o *Options) (*graphilePeer, string) {
 	repo, err := filepath.Abs(o.Repo)
 	if err != nil {
 		return nil, "graphile-worker skipped: " + err.Error()

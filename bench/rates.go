@@ -55,7 +55,7 @@ func runRates(ctx context.Context, e *env, o *Options) (*RateResults, error) {
 	for _, p := range o.Peers {
 		if p == peerGraphile {
 			var note string
-			peer, note = prepareGraphile(ctx, e, o)
+			peer, note = prepareGraphile(ctx, o)
 			if note != "" {
 				res.Notes = append(res.Notes, note)
 			}
