@@ -146,3 +146,71 @@ func (r *RateResults) modes() []string {
 	}
 	return out
 }
+
+// run returns mode's run at rate, or nil.
+func (r *RateResults) run(mode string, rate int) *RateRun {
+	for i := range r.Runs {
+		if r.Runs[i].Mode == mode && r.Runs[i].Rate == rate {
+			return &r.Runs[i]
+		}
+	}
+	return nil
+}
+
+// rateGoals checks issue 13's goals against the rates this run offered:
+// end-to-end p99 at most twice River-direct's up to 4,000 events/s;
+// handoff p99 at most 5 ms at 1,000 and 25 ms at 4,000 events/s;
+// end-to-end p50 within 1 ms of River-direct's up to 1,000 events/s.
+func rateGoals(r *RateResults) []Goal {
+	var g []Goal
+	notRun := func(run *RateRun) string {
+		if run == nil {
+			return "not run"
+		}
+		return "not run: " + run.Skipped
+	}
+	for _, rate := range r.Rates {
+		n, d := r.run(modeNotify, rate), r.run(modeRiverDirect, rate)
+		ok := n != nil && n.Skipped == "" && n.EndToEnd != nil
+		okd := d != nil && d.Skipped == "" && d.EndToEnd != nil
+		if rate <= 4000 {
+			goal := Goal{Name: fmt.Sprintf("rates, %d ev/s: end-to-end p99 vs river-direct", rate), Target: "≤ 2×"}
+			switch {
+			case !ok:
+				goal.Measured = "outbox " + notRun(n)
+			case !okd:
+				goal.Measured = "river-direct " + notRun(d)
+			default:
+				x := n.EndToEnd.P99 / d.EndToEnd.P99
+				goal.Measured = fmt.Sprintf("%.1f× (%.2f vs %.2f ms)", x, n.EndToEnd.P99, d.EndToEnd.P99)
+				goal.Pass = x <= 2
+			}
+			g = append(g, goal)
+		}
+		if limit := map[int]float64{1000: 5, 4000: 25}[rate]; limit > 0 {
+			goal := Goal{Name: fmt.Sprintf("rates, %d ev/s: handoff p99", rate), Target: fmt.Sprintf("≤ %.0f ms", limit)}
+			if ok && n.Handoff != nil {
+				goal.Measured = fmt.Sprintf("%.2f ms", n.Handoff.P99)
+				goal.Pass = n.Handoff.P99 <= limit
+			} else {
+				goal.Measured = notRun(n)
+			}
+			g = append(g, goal)
+		}
+		if rate <= 1000 {
+			goal := Goal{Name: fmt.Sprintf("rates, %d ev/s: end-to-end p50 vs river-direct", rate), Target: "within 1 ms"}
+			switch {
+			case !ok:
+				goal.Measured = "outbox " + notRun(n)
+			case !okd:
+				goal.Measured = "river-direct " + notRun(d)
+			default:
+				diff := n.EndToEnd.P50 - d.EndToEnd.P50
+				goal.Measured = fmt.Sprintf("%+.2f ms (%.2f vs %.2f ms)", diff, n.EndToEnd.P50, d.EndToEnd.P50)
+				goal.Pass = diff <= 1
+			}
+			g = append(g, goal)
+		}
+	}
+	return g
+}

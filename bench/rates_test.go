@@ -127,6 +127,23 @@ func TestRatesReport(t *testing.T) {
 			t.Errorf("markdown lacks %q:\n%s", want, md)
 		}
 	}
+	goals := map[string]Goal{}
+	for _, g := range rateGoals(r) {
+		goals[g.Name] = g
+	}
+	for name, want := range map[string]bool{
+		"rates, 200 ev/s: end-to-end p99 vs river-direct":  true,  // 4 vs 2 ms: 2×
+		"rates, 200 ev/s: end-to-end p50 vs river-direct":  true,  // +0.8 ms
+		"rates, 1000 ev/s: end-to-end p99 vs river-direct": false, // 120 vs 8 ms
+		"rates, 1000 ev/s: handoff p99":                    false, // 90 ms
+		"rates, 4000 ev/s: end-to-end p99 vs river-direct": false, // not run
+		"rates, 4000 ev/s: handoff p99":                    false,
+	} {
+		g, ok := goals[name]
+		if !ok || g.Pass != want {
+			t.Errorf("goal %q: %+v (present %v), want pass %v", name, g, ok, want)
+		}
+	}
 	path := filepath.Join(t.TempDir(), "latency_vs_rate.png")
 	if err := ratesPlot(r, path); err != nil {
 		t.Fatal(err)

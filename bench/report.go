@@ -100,6 +100,9 @@ func checkGoals(r *Results) []Goal {
 			add("peak RSS draining", "≤ 64 MiB", fmt.Sprintf("%.1f MiB (%d events)", one.MaxRSSMiB, one.Events), one.MaxRSSMiB <= 64)
 		}
 	}
+	if r.Rates != nil {
+		g = append(g, rateGoals(r.Rates)...)
+	}
 	for _, c := range r.Producer {
 		if c.Variant != variantShipped || c.Clients < 8 || c.State == "none" {
 			continue
