@@ -45,7 +45,7 @@ bench: ## the full benchmark suite (about eight minutes) on a production-like th
 	env $(BENCH_ENV) $(WITH_PG) $(GO) -C bench run . $(BENCHFLAGS)
 
 .PHONY: bench-quick
-bench-quick: ## the benchmark suite in quick mode (about a minute, CI: keeps it working, asserts no figures)
+bench-quick: ## the benchmark suite in quick mode (about a minute and a half, CI: keeps it working, asserts no figures)
 	$(GO) -C bench test -count=1 ./...
 	env $(BENCH_ENV) $(WITH_PG) $(GO) -C bench run . -quick $(BENCHFLAGS)
 
