@@ -41,6 +41,10 @@ type LatencyResult struct {
 	Stats     *dispatchStat `json:"dispatcher,omitempty"`
 	// Achieved is Published over the time the producers took, events/s.
 	Achieved float64 `json:"achieved_rate"`
+	// NotSent counts the events whose transaction had not begun by the
+	// producers' cutoff (see loadSpec.cutoff): a producer that cannot
+	// keep up sheds the rest instead of running on for minutes.
+	NotSent int `json:"not_sent,omitempty"`
 	// ProducerLag is how late the producers began transactions against
 	// their open-loop schedule (a producer that cannot keep up lags).
 	ProducerLag *Summary `json:"producer_lag,omitempty"`
@@ -157,7 +161,14 @@ type loadSpec struct {
 	// tolerateBacklog: jobs not started within drainLimit are a result
 	// (DrainSeconds < 0), not an error.
 	tolerateBacklog bool
+	// cutoff, when positive: events whose transaction has not begun this
+	// long after the start are not sent (counted in NotSent).
+	cutoff time.Duration
 }
+
+// producerCutoff is when an open-loop run of d stops sending events that
+// are late: d plus half of it, at least 2 s more.
+func producerCutoff(d time.Duration) time.Duration { return d + max(2*time.Second, d/2) }
 
 func (r LatencyResult) line() string {
 	s := ""
@@ -271,14 +282,23 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (LatencyResult, err
 		lagH       = newHist()
 		commitMu   sync.Mutex
 		lastCommit time.Time
+		notSent    atomic.Int64
 	)
 	payload := json.RawMessage(`{"order_id":12345,"amount_cents":4200,"currency":"EUR","note":"bench"}`)
+	// Event i is due at start + i/rate, whatever the previous commits
+	// took (open loop).
+	interval := time.Second / time.Duration(spec.rate)
+	start := time.Now()
 	for range max(1, spec.producers) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for at := range due {
 				begin := time.Now()
+				if spec.cutoff > 0 && begin.Sub(start) > spec.cutoff {
+					notSent.Add(1)
+					continue
+				}
 				id, err := produceOne(ctx, p, mode, insertRC, payload, &seq)
 				now := time.Now()
 				if err != nil {
@@ -297,10 +317,6 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (LatencyResult, err
 			}
 		}()
 	}
-	// Event i is due at start + i/rate, whatever the previous commits
-	// took (open loop).
-	interval := time.Second / time.Duration(spec.rate)
-	start := time.Now()
 	for i := range total {
 		at := start.Add(time.Duration(i) * interval)
 		if wait := time.Until(at); wait > 0 {
@@ -320,6 +336,10 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (LatencyResult, err
 		return res, fmt.Errorf("producer: %w", err)
 	}
 	res.Published = int(published.Load())
+	res.NotSent = int(notSent.Load())
+	if res.Published == 0 {
+		return res, fmt.Errorf("no event was published")
+	}
 	res.Achieved = float64(res.Published) / max(lastCommit.Sub(start), spec.duration).Seconds()
 
 	// Wait for the workers to start every job (poll mode needs up to a

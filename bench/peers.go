@@ -67,6 +67,7 @@ type graphileOut struct {
 	Published    int     `json:"published"`
 	Worked       int     `json:"worked"`
 	Achieved     float64 `json:"achieved_rate"`
+	NotSent      int     `json:"not_sent"`
 	DrainSeconds float64 `json:"drain_seconds"`
 	Clamped      int     `json:"clamped_negative"`
 	EndToEnd     []int64 `json:"end_to_end_us"`
@@ -90,6 +91,7 @@ func (g *graphilePeer) run(ctx context.Context, e *env, schema string, rate int,
 		"--producers", strconv.Itoa(rateProducers(rate)),
 		"--concurrency", strconv.Itoa(graphileConcurrency),
 		"--drain-ms", strconv.FormatInt(drainWait.Milliseconds(), 10),
+		"--cutoff-ms", strconv.FormatInt(producerCutoff(d).Milliseconds(), 10),
 	)
 	cmd.Dir = g.dir
 	var stdout bytes.Buffer
@@ -103,7 +105,7 @@ func (g *graphilePeer) run(ctx context.Context, e *env, schema string, rate int,
 		return res, fmt.Errorf("node bench.js output: %w", err)
 	}
 	res.Events, res.Published, res.Worked = out.Events, out.Published, out.Worked
-	res.Achieved, res.DrainSeconds, res.Clamped = out.Achieved, out.DrainSeconds, out.Clamped
+	res.Achieved, res.DrainSeconds, res.Clamped, res.NotSent = out.Achieved, out.DrainSeconds, out.Clamped, out.NotSent
 	res.Peer = fmt.Sprintf("graphile-worker %s on Node %s, concurrency %d", out.Version, out.Node, graphileConcurrency)
 	res.EndToEnd = summarizeUS(out.EndToEnd)
 	res.Commit = summarizeUS(out.Tx)

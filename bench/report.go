@@ -259,7 +259,11 @@ func ratesMarkdown(b *strings.Builder, r *RateResults) {
 		if !run.KeptUp {
 			kept = "**no**"
 		}
-		fmt.Fprintf(b, "| %d | %s | %.0f | %s | %s | %s | %s | %s |\n", run.Rate, run.Mode, run.Achieved, lag, drain, kept, trio(run.Handoff), trio(run.EndToEnd))
+		achieved := fmt.Sprintf("%.0f", run.Achieved)
+		if run.NotSent > 0 {
+			achieved += fmt.Sprintf(" (%d not sent)", run.NotSent)
+		}
+		fmt.Fprintf(b, "| %d | %s | %s | %s | %s | %s | %s | %s |\n", run.Rate, run.Mode, achieved, lag, drain, kept, trio(run.Handoff), trio(run.EndToEnd))
 	}
 	b.WriteString("\n")
 	for _, n := range r.Notes {

@@ -41,6 +41,9 @@ function parseArgs(argv) {
     producers: Number(out.producers || 8),
     concurrency: Number(out.concurrency || 16),
     drainMs: Number(out["drain-ms"] || 6000),
+    // Events whose transaction has not begun this long after the start
+    // are not sent (0: no cutoff).
+    cutoffMs: Number(out["cutoff-ms"] || 0),
   };
 }
 
@@ -104,10 +107,15 @@ async function main() {
     let next = 0;
     let lastCommit = start;
     let published = 0;
+    let notSent = 0;
     const producer = async () => {
       for (;;) {
         const i = next++;
         if (i >= total) return;
+        if (o.cutoffMs > 0 && performance.now() - start > o.cutoffMs) {
+          notSent++;
+          continue;
+        }
         const at = start + i * interval;
         const wait = at - performance.now();
         if (wait > 0) await sleep(wait);
@@ -159,6 +167,7 @@ async function main() {
       node: process.version,
       events: total,
       published,
+      not_sent: notSent,
       worked,
       achieved_rate: (published * 1000) / elapsed,
       drain_seconds: worked >= published ? Math.max(0, lastWork - lastCommit) / 1000 : -1,
