@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"image/color"
+	"math"
 	"path/filepath"
 
 	"gonum.org/v1/plot"
@@ -214,6 +215,23 @@ func ratesPlot(r *RateResults, path string) error {
 	p.Legend.Top = true
 	p.Legend.Left = true
 	p.Add(plotter.NewGrid())
+	// Room above the curves for the legend (log scale: a factor).
+	lo, hi := 0.0, 0.0
+	for _, run := range r.Runs {
+		if run.EndToEnd != nil && run.Skipped == "" {
+			if lo == 0 || run.EndToEnd.P50 < lo {
+				lo = run.EndToEnd.P50
+			}
+			hi = max(hi, run.EndToEnd.P99)
+		}
+	}
+	if hi > 0 {
+		// The legend's rows take about 3% of the height each: leave that
+		// fraction f of the log range free above hi.
+		lo = max(lo/2, 0.01)
+		f := min(0.5, 0.035*float64(3*len(r.modes())+1))
+		p.Y.Min, p.Y.Max = lo, hi*math.Pow(hi/lo, f/(1-f))
+	}
 	for i, mode := range r.modes() {
 		var p50, p99 plotter.XYs
 		for _, run := range r.Runs {
