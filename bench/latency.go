@@ -55,6 +55,9 @@ type LatencyResult struct {
 	Segments []Segment `json:"segments,omitempty"`
 	// Peer describes a peer job queue's run (its version and settings).
 	Peer string `json:"peer,omitempty"`
+	// Waits are the pg_stat_activity samples of each role's active
+	// backends (producers, dispatcher, workers) while the events flowed.
+	Waits map[string][]string `json:"pg_wait_events,omitempty"`
 }
 
 type dispatchStat struct {
@@ -164,7 +167,17 @@ type loadSpec struct {
 	// cutoff, when positive: events whose transaction has not begun this
 	// long after the start are not sent (counted in NotSent).
 	cutoff time.Duration
+	// sample: run the dispatcher on its own pool and sample the
+	// producers', dispatcher's and workers' backends in pg_stat_activity
+	// while the events flow (LatencyResult.Waits).
+	sample bool
 }
+
+// Application names of the latency runs' pools (sampled by role).
+const (
+	appWorkers    = "bench-workers"
+	appDispatcher = "bench-dispatcher"
+)
 
 // producerCutoff is when an open-loop run of d stops sending events that
 // are late: d plus half of it, at least 2 s more.
@@ -206,7 +219,7 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (LatencyResult, err
 		return res, err
 	}
 	defer p.Close()
-	wp, err := e.pool(ctx, schema, 12, "bench-workers")
+	wp, err := e.pool(ctx, schema, 12, appWorkers)
 	if err != nil {
 		return res, err
 	}
@@ -229,7 +242,14 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (LatencyResult, err
 	)
 	switch mode {
 	case modeNotify, modePoll:
-		d, err = dispatcher.New(p, dispatcher.Config{
+		dp := p
+		if spec.sample {
+			if dp, err = e.pool(ctx, schema, 12, appDispatcher); err != nil {
+				return res, err
+			}
+			defer dp.Close()
+		}
+		d, err = dispatcher.New(dp, dispatcher.Config{
 			Routes:         e.routes,
 			ListenDisabled: mode == modePoll,
 			PollInterval:   time.Second,
@@ -285,6 +305,17 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (LatencyResult, err
 		notSent    atomic.Int64
 	)
 	payload := json.RawMessage(`{"order_id":12345,"amount_cents":4200,"currency":"EUR","note":"bench"}`)
+	var sampler *roleSampler
+	if spec.sample {
+		sampler = startRoleSampler(ctx, e.admin, 20*time.Millisecond, map[string]string{
+			"bench-" + schema: "producers", appDispatcher: "dispatcher", appWorkers: "workers",
+		})
+		defer func() {
+			if sampler != nil {
+				sampler.stop()
+			}
+		}()
+	}
 	// Event i is due at start + i/rate, whatever the previous commits
 	// took (open loop).
 	interval := time.Second / time.Duration(spec.rate)
@@ -349,6 +380,10 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (LatencyResult, err
 		time.Sleep(5 * time.Millisecond)
 	}
 	res.Worked = int(c.worked.Load())
+	if sampler != nil {
+		res.Waits = sampler.stop()
+		sampler = nil
+	}
 	res.DrainSeconds = -1
 	if res.Worked < res.Published {
 		if !spec.tolerateBacklog {

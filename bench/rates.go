@@ -90,7 +90,7 @@ func runRates(ctx context.Context, e *env, o *Options) (*RateResults, error) {
 				r, err = latencyMode(ctx, e, loadSpec{
 					mode: mode, rate: rate, duration: o.RatesDuration, schema: schema,
 					producers: rateProducers(rate), drainLimit: drainWait, tolerateBacklog: true,
-					cutoff: producerCutoff(o.RatesDuration),
+					cutoff: producerCutoff(o.RatesDuration), sample: true,
 				})
 			}
 			if _, derr := e.admin.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE"); derr != nil && err == nil {

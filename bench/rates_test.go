@@ -101,7 +101,8 @@ func TestRatesReport(t *testing.T) {
 	t.Parallel()
 	sum := func(p50, p99 float64) *Summary { return &Summary{Count: 10, P50: p50, P99: p99, P999: p99} }
 	r := &RateResults{Rates: []int{200, 1000, 4000}, Duration: "2s", KeepUpRule: keepUpRule, Runs: []RateRun{
-		{LatencyResult: LatencyResult{Mode: modeNotify, Rate: 200, Achieved: 200, Handoff: sum(0.8, 3), EndToEnd: sum(1.4, 4)}, KeptUp: true},
+		{LatencyResult: LatencyResult{Mode: modeNotify, Rate: 200, Achieved: 200, Handoff: sum(0.8, 3), EndToEnd: sum(1.4, 4),
+			Waits: map[string][]string{"workers": {"IO:WALSync 20%"}, "producers": {"CPU 50%"}}}, KeptUp: true},
 		{LatencyResult: LatencyResult{Mode: modeRiverDirect, Rate: 200, Achieved: 200, EndToEnd: sum(0.6, 2)}, KeptUp: true},
 		{LatencyResult: LatencyResult{Mode: modeNotify, Rate: 1000, Achieved: 700, NotSent: 12, DrainSeconds: -1, Handoff: sum(3, 90), EndToEnd: sum(4, 120),
 			Segments: []Segment{{Name: segClaim, P50: 1, P99: 5}}}},
@@ -121,6 +122,7 @@ func TestRatesReport(t *testing.T) {
 		"| 1000 | notify | 700 (12 not sent) | – | did not drain | **no** | 3.00 / 90.00 / 90.00 | 4.00 / 120.00 / 120.00 |",
 		"| 4000 | notify | | | | not run: did not keep up at 1000 ev/s | | |",
 		"| 1000 | notify | 1.00 / 5.00 | – | – | – |",
+		"- 200 ev/s, notify: producers: CPU 50%; workers: IO:WALSync 20%",
 		keepUpRule,
 	} {
 		if !strings.Contains(md, want) {

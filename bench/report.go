@@ -299,4 +299,24 @@ func ratesMarkdown(b *strings.Builder, r *RateResults) {
 		fmt.Fprintf(b, "| %d | %s | %s |\n", run.Rate, run.Mode, strings.Join(cells, " | "))
 	}
 	b.WriteString("\n")
+	waits := false
+	for _, run := range r.Runs {
+		if len(run.Waits) == 0 {
+			continue
+		}
+		if !waits {
+			b.WriteString("What the backends were doing while the events flowed (pg_stat_activity samples every 20 ms, active backends by role):\n\n")
+			waits = true
+		}
+		var roles []string
+		for _, role := range []string{"producers", "dispatcher", "workers"} {
+			if w := run.Waits[role]; len(w) > 0 {
+				roles = append(roles, role+": "+strings.Join(w, ", "))
+			}
+		}
+		fmt.Fprintf(b, "- %d ev/s, %s: %s\n", run.Rate, run.Mode, strings.Join(roles, "; "))
+	}
+	if waits {
+		b.WriteString("\n")
+	}
 }
