@@ -97,7 +97,11 @@ func (g *graphilePeer) run(ctx context.Context, e *env, schema string, rate int,
 	var stdout bytes.Buffer
 	cmd.Stdout = &stdout
 	cmd.Stderr = os.Stderr
-	if err := cmd.Run(); err != nil {
+	// Its producers and workers share one application_name: one role.
+	sampler := startRoleSampler(ctx, e.admin, 20*time.Millisecond, map[string]string{"bench-graphile": "graphile"})
+	err := cmd.Run()
+	res.Waits = sampler.stop()
+	if err != nil {
 		return res, fmt.Errorf("node bench.js: %w", err)
 	}
 	var out graphileOut

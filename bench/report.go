@@ -309,7 +309,7 @@ func ratesMarkdown(b *strings.Builder, r *RateResults) {
 			waits = true
 		}
 		var roles []string
-		for _, role := range []string{"producers", "dispatcher", "workers"} {
+		for _, role := range []string{"producers", "dispatcher", "workers", "graphile"} {
 			if w := run.Waits[role]; len(w) > 0 {
 				roles = append(roles, role+": "+strings.Join(w, ", "))
 			}
