@@ -12,7 +12,9 @@ type Results struct {
 	Rates    *RateResults    `json:"rates,omitempty"`
 	Drain    *DrainResults   `json:"drain,omitempty"`
 	Producer []ProducerCell  `json:"producer,omitempty"`
-	Goals    []Goal          `json:"goals"`
+	// Scheduled is the claim beside a backlog of delayed events.
+	Scheduled []ScheduledResult `json:"scheduled,omitempty"`
+	Goals     []Goal            `json:"goals"`
 }
 
 // Goal is one of issue 5's targets, checked against this run.
@@ -168,6 +170,14 @@ func markdown(r *Results) string {
 		b.WriteString("\nWhat the dispatchers' backends were doing (pg_stat_activity samples every 10 ms, active backends):\n\n")
 		for _, d := range r.Drain.Runs {
 			fmt.Fprintf(&b, "- %d × outboxd (concurrency %d), batch %d: %s\n", d.Dispatchers, d.Concurrency, d.Batch, strings.Join(d.WaitEvents, ", "))
+		}
+		b.WriteString("\n")
+	}
+	if len(r.Scheduled) > 0 {
+		b.WriteString("## Claim of due events beside events scheduled for tomorrow (ms)\n\n")
+		b.WriteString("| scheduled backlog | batch of due events p50 | p99 | empty pass p50 | p99 | rounds |\n|--:|--:|--:|--:|--:|--:|\n")
+		for _, sr := range r.Scheduled {
+			fmt.Fprintf(&b, "| %d | %.2f | %.2f | %.2f | %.2f | %d |\n", sr.Backlog, sr.Batch.P50, sr.Batch.P99, sr.Empty.P50, sr.Empty.P99, sr.Batch.Count)
 		}
 		b.WriteString("\n")
 	}
