@@ -246,20 +246,9 @@ func TestRunDoesNotBlockDispatcher(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		var pending int
-		if err := s.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE status = 'pending'`).Scan(&pending); err != nil {
-			t.Fatal(err)
-		}
-		if pending == 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d events still pending while a retention batch is open: retention blocks the dispatcher", pending)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	pgtest.WaitFor(t, 30*time.Second, "the dispatcher to hand off every event while a retention batch is open (else retention blocks it)", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'pending'`) == 0
+	})
 	close(release)
 	if err := <-done; err != nil {
 		t.Fatal(err)

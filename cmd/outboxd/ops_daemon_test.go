@@ -47,18 +47,17 @@ func TestDaemonServesMetricsAndRunsRetention(t *testing.T) {
 		b, _ := io.ReadAll(resp.Body)
 		return resp.StatusCode, string(b)
 	}
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		_, body := get("/metrics")
-		if strings.Contains(body, `outbox_events_dispatched_total{route="billing."} 3`) &&
-			strings.Contains(body, "outbox_retention_deleted_total 30") {
-			break
+	var body string
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("last /metrics:\n%s", body)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("metrics never showed 3 dispatched and 30 purged:\n%s\n--- log:\n%s", body, out.String())
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	})
+	pgtest.WaitFor(t, 30*time.Second, "/metrics to show 3 dispatched and 30 purged", func() bool {
+		_, body = get("/metrics")
+		return strings.Contains(body, `outbox_events_dispatched_total{route="billing."} 3`) &&
+			strings.Contains(body, "outbox_retention_deleted_total 30")
+	})
 	if code, body := get("/readyz"); code != http.StatusOK {
 		t.Fatalf("/readyz = %d %q", code, body)
 	}
