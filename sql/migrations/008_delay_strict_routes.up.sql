@@ -383,8 +383,8 @@ BEGIN
         RAISE EXCEPTION 'outbox_routes_sync: routes must be a JSON array of {"prefix": ..., "queues": [...]}' USING ERRCODE = '22023';
     END IF;
     IF EXISTS (SELECT 1 FROM jsonb_array_elements(routes) r
-               WHERE jsonb_typeof(r) <> 'object' OR jsonb_typeof(r -> 'prefix') <> 'string'
-                  OR jsonb_typeof(r -> 'queues') <> 'array' OR jsonb_array_length(r -> 'queues') = 0) THEN
+               WHERE jsonb_typeof(r) <> 'object' OR coalesce(jsonb_typeof(r -> 'prefix'), '') <> 'string'
+                  OR coalesce(jsonb_typeof(r -> 'queues'), '') <> 'array' OR jsonb_array_length(r -> 'queues') = 0) THEN
         RAISE EXCEPTION 'outbox_routes_sync: every route needs a "prefix" string and a non-empty "queues" array' USING ERRCODE = '22023';
     END IF;
 
