@@ -49,8 +49,21 @@ func TestRoutesSyncAsOperator(t *testing.T) {
 	if n := pgtest.Count(t, s.Pool, `SELECT (SELECT count(*) FROM outbox_route) + (SELECT count(*) FROM outbox_audit) + (SELECT count(*) FROM outbox_route_setting WHERE strict)`); n != 0 {
 		t.Fatalf("a dry run wrote %d rows", n)
 	}
+	trigger := func() string {
+		var state string
+		if err := s.Pool.QueryRow(ctx, `SELECT tgenabled::text FROM pg_trigger WHERE tgrelid = 'outbox_event'::regclass AND tgname = 'outbox_event_strict_route'`).Scan(&state); err != nil {
+			t.Fatal(err)
+		}
+		return state
+	}
+	if st := trigger(); st != "D" {
+		t.Fatalf("strict route trigger %q before strict routing is on, want disabled", st)
+	}
 	if r, err = sync(false, first, &on); err != nil || len(r.added) != 2 || r.auditID == nil || !r.after {
 		t.Fatalf("sync: %+v %v", r, err)
+	}
+	if st := trigger(); st != "O" {
+		t.Fatalf("strict route trigger %q with strict routing on, want enabled", st)
 	}
 	second := `[{"prefix": "mail.", "queues": ["outbox_mail", "outbox_audit"]}, {"prefix": "billing.invoice.paid", "queues": ["outbox_billing"]}]`
 	if r, err = sync(false, second, nil); err != nil || strings.Join(r.added, ",") != "billing.invoice.paid" ||
@@ -59,6 +72,9 @@ func TestRoutesSyncAsOperator(t *testing.T) {
 	}
 	if r, err = sync(false, second, &off); err != nil || r.unchanged != 2 || r.after {
 		t.Fatalf("third sync: %+v %v", r, err)
+	}
+	if st := trigger(); st != "D" {
+		t.Fatalf("strict route trigger %q after strict routing is off again, want disabled", st)
 	}
 	var prefixes []string
 	if err := op.QueryRow(ctx, `SELECT array_agg(prefix ORDER BY prefix) FROM outbox_route`).Scan(&prefixes); err != nil || strings.Join(prefixes, ",") != "billing.invoice.paid,mail." {
