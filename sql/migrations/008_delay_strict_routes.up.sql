@@ -34,6 +34,10 @@
 -- cost is one read of the one-row setting per publish function call.
 -- Producers need no new grant.
 --
+-- Every statement is idempotent (IF NOT EXISTS, OR REPLACE, IF EXISTS), so
+-- that running it again is harmless, and so that it repairs the functions
+-- if 006 (which creates the four-parameter ones) is ever run again after it.
+--
 -- Grants, in the style of 007: the operator changes the synced routes
 -- through outbox_routes_sync, a SECURITY DEFINER function that replaces the
 -- set, sets the mode and writes the audit row in one transaction (no
@@ -41,7 +45,7 @@
 -- dispatcher reads them (outboxd warns at start-up when they differ from
 -- its routes file).
 
-CREATE TABLE outbox_route (
+CREATE TABLE IF NOT EXISTS outbox_route (
     -- a rule prefix as in the routes file: whole segments ending in a dot,
     -- or a complete event type (route.ValidatePrefix).
     prefix    text        PRIMARY KEY,
@@ -57,7 +61,7 @@ CREATE TABLE outbox_route (
 );
 
 -- The mode and the last sync. Exactly one row (id is always true).
-CREATE TABLE outbox_route_setting (
+CREATE TABLE IF NOT EXISTS outbox_route_setting (
     id        boolean     PRIMARY KEY DEFAULT true,
     strict    boolean     NOT NULL DEFAULT false,
     synced_at timestamptz,
@@ -66,7 +70,7 @@ CREATE TABLE outbox_route_setting (
 
     CONSTRAINT outbox_route_setting_one_row CHECK (id)
 );
-INSERT INTO outbox_route_setting (id) VALUES (true);
+INSERT INTO outbox_route_setting (id) VALUES (true) ON CONFLICT DO NOTHING;
 
 -- A synced prefix matches an event type as route.PrefixMatches says: the
 -- same EXISTS is written out in the trigger and the publish functions
@@ -75,7 +79,7 @@ INSERT INTO outbox_route_setting (id) VALUES (true);
 -- The table holds tens of rows: a scan is cheap.
 
 -- The strict-routing hint, in one place.
-CREATE FUNCTION outbox_route_strict_hint() RETURNS text
+CREATE OR REPLACE FUNCTION outbox_route_strict_hint() RETURNS text
 LANGUAGE sql IMMUTABLE AS $$
 SELECT 'add a route whose prefix matches it to the routes file and run `outboxctl routes sync --routes FILE`, '
     || 'or turn strict routing off with `outboxctl routes sync --routes FILE --strict off`'
@@ -89,7 +93,7 @@ $$;
 -- an INSERT. SECURITY DEFINER so that it reads outbox_route on behalf of a
 -- producer, who has no privilege on it; a trigger function cannot be
 -- called directly, so this lends the producer nothing else.
-CREATE FUNCTION outbox_event_strict_route() RETURNS trigger
+CREATE OR REPLACE FUNCTION outbox_event_strict_route() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER AS $$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM outbox_route r WHERE r.prefix = NEW.event_type OR (right(r.prefix, 1) = '.' AND starts_with(NEW.event_type, r.prefix))) THEN
@@ -101,17 +105,23 @@ BEGIN
 END
 $$;
 
-CREATE TRIGGER outbox_event_strict_route
-    BEFORE INSERT ON outbox_event
-    FOR EACH ROW EXECUTE FUNCTION outbox_event_strict_route();
-ALTER TABLE outbox_event DISABLE TRIGGER outbox_event_strict_route;
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = 'outbox_event'::regclass AND tgname = 'outbox_event_strict_route') THEN
+        CREATE TRIGGER outbox_event_strict_route
+            BEFORE INSERT ON outbox_event
+            FOR EACH ROW EXECUTE FUNCTION outbox_event_strict_route();
+        ALTER TABLE outbox_event DISABLE TRIGGER outbox_event_strict_route;
+    END IF;
+END
+$$;
 
-DROP FUNCTION outbox_publish(text, text, text, text);
-DROP FUNCTION outbox_publish(text, jsonb, text, text);
-DROP FUNCTION outbox_publish_many(text[], jsonb[], text[], text[]);
+DROP FUNCTION IF EXISTS outbox_publish(text, text, text, text);
+DROP FUNCTION IF EXISTS outbox_publish(text, jsonb, text, text);
+DROP FUNCTION IF EXISTS outbox_publish_many(text[], jsonb[], text[], text[]);
 
 -- outbox_publish: as in 006, plus not_before and strict routing.
-CREATE FUNCTION outbox_publish(
+CREATE OR REPLACE FUNCTION outbox_publish(
     event_type   text,
     payload      jsonb,
     tenant_id    text        DEFAULT NULL,
@@ -179,7 +189,7 @@ END
 $$;
 
 -- outbox_publish(text, text, ...): as in 006, plus not_before.
-CREATE FUNCTION outbox_publish(
+CREATE OR REPLACE FUNCTION outbox_publish(
     event_type   text,
     payload      text,
     tenant_id    text        DEFAULT NULL,
@@ -219,7 +229,7 @@ $$;
 -- outbox_publish_many: as in 006, plus not_befores and strict routing.
 -- The tenant-blind fallback lookups of 006 (only needed while 006 ran) are
 -- gone: the old index was dropped at the end of 006.
-CREATE FUNCTION outbox_publish_many(
+CREATE OR REPLACE FUNCTION outbox_publish_many(
     event_types   text[],
     payloads      jsonb[],
     tenant_ids    text[]        DEFAULT NULL,
@@ -354,7 +364,7 @@ $$;
 --
 --   SELECT * FROM outbox_routes_sync('alice', dry_run => true,
 --       routes => '[{"prefix": "mail.", "queues": ["outbox_mail"]}]', strict => true);
-CREATE FUNCTION outbox_routes_sync(
+CREATE OR REPLACE FUNCTION outbox_routes_sync(
     actor   text,
     dry_run boolean,
     routes  jsonb,
