@@ -8,6 +8,7 @@
 //	outboxctl explain <event-id>   what happened to one event: row, routes, River jobs, receipts
 //	outboxctl retention run        purge old done events now
 //	outboxctl audit                list the operator actions recorded
+//	outboxctl routes sync          write the routes file into the database (strict routing)
 //
 // Every command reads DATABASE_URL (the operator commands also take
 // --database-url) and takes --json. Exit status, the same as outboxd's:
