@@ -422,3 +422,30 @@ func TestPublishInItsOwnTransaction(t *testing.T) {
 		t.Fatal("a bad type was published")
 	}
 }
+
+// TestStatsTellsScheduledFromBacklog: events due tomorrow are counted as
+// scheduled, not as the dispatcher's backlog, and raise no alert.
+func TestStatsTellsScheduledFromBacklog(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, time.Minute)
+	if _, err := s.Pool.Exec(ctx, `
+		INSERT INTO outbox_event (event_type, payload, scheduled_at)
+		SELECT 'mail.user.remind', '{}', now() + interval '1 day' + make_interval(secs => g) FROM generate_series(1, 500) g;
+		INSERT INTO outbox_event (event_type, payload, scheduled_at) VALUES ('mail.user.welcome', '{}', now() - interval '5 minutes')`); err != nil {
+		t.Fatal(err)
+	}
+	st, err := admin.New(s.Pool).Stats(ctx, admin.StatsOpts{Thresholds: admin.DefaultThresholds()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.PendingDue != 1 || st.PendingScheduled != 500 || st.PendingDueOver60s != 1 || st.Events["pending"] != 501 {
+		t.Fatalf("due %d scheduled %d over60 %d pending %d", st.PendingDue, st.PendingScheduled, st.PendingDueOver60s, st.Events["pending"])
+	}
+	if st.NextScheduledDueAt == nil || time.Until(*st.NextScheduledDueAt) < 23*time.Hour {
+		t.Fatalf("next due %v", st.NextScheduledDueAt)
+	}
+	if names := alertNames(st); names != "[]" {
+		t.Fatalf("alerts %s: 500 events scheduled for tomorrow are no backlog", names)
+	}
+}

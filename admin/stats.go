@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/outboxhq/outbox/internal/config"
+	"github.com/outboxhq/outbox/metrics"
 	"github.com/outboxhq/outbox/retention"
 	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
@@ -72,6 +73,16 @@ type Stats struct {
 	OldestDuePendingAgeS float64 `json:"oldest_due_pending_age_seconds"`
 	// PendingDueOver60s counts pending events due for more than 60 s.
 	PendingDueOver60s int64 `json:"pending_due_over_60s"`
+	// PendingDue is the dispatcher's backlog: pending events that are due
+	// (scheduled_at <= now()).
+	PendingDue int64 `json:"pending_due"`
+	// PendingScheduled counts pending events that wait on purpose (a
+	// NotBefore in the future, or the backoff after a failed attempt): not
+	// a backlog, however many.
+	PendingScheduled int64 `json:"pending_scheduled"`
+	// NextScheduledDueAt is when the earliest scheduled event falls due
+	// (nil when none is scheduled).
+	NextScheduledDueAt *time.Time `json:"next_scheduled_due_at"`
 	// Queues are the outbox's River jobs per queue, sorted by queue.
 	Queues []QueueStats `json:"queues"`
 	// StalledAfterS is StatsOpts.StalledAfter in seconds.
@@ -127,14 +138,6 @@ SELECT s::text, count(e.id)
 FROM unnest(enum_range(NULL::outbox_status)) AS s
 LEFT JOIN outbox_event e ON e.status = s
 GROUP BY s ORDER BY s`
-
-// pendingSQL reads the lag of the dispatcher through the claim index
-// (status = 'pending', ordered by scheduled_at): the age of the oldest due
-// event (since it became due) and how many are due for more than $1 s.
-const pendingSQL = `
-SELECT coalesce(extract(epoch FROM now() - min(scheduled_at)), 0)::float8,
-       count(*) FILTER (WHERE scheduled_at <= now() - make_interval(secs => $1))
-FROM outbox_event WHERE status = 'pending' AND scheduled_at <= now()`
 
 // riverQueuesSQL counts the outbox's River jobs per queue and state;
 // stalled are running jobs attempted more than $2 s ago.
@@ -202,8 +205,19 @@ func (c *Client) stats(ctx context.Context, opts StatsOpts) (*Stats, error) {
 		if err := rows.Err(); err != nil {
 			return err
 		}
-		if err := tx.QueryRow(ctx, pendingSQL, behindAfter.Seconds()).Scan(&res.OldestDuePendingAgeS, &res.PendingDueOver60s); err != nil {
+		// Due and scheduled apart, in the same snapshot: a million
+		// reminders due tomorrow are not a stalled dispatcher.
+		backlog, err := metrics.ReadBacklog(ctx, tx, behindAfter)
+		if err != nil {
 			return fmt.Errorf("read pending lag: %w", err)
+		}
+		res.OldestDuePendingAgeS = backlog.OldestDueAge.Seconds()
+		res.PendingDueOver60s = backlog.DueOver
+		res.PendingDue = backlog.Due
+		res.PendingScheduled = backlog.Scheduled
+		if !backlog.NextDue.IsZero() {
+			next := backlog.NextDue
+			res.NextScheduledDueAt = &next
 		}
 		rows, err = tx.Query(ctx, riverQueuesSQL, outboxriver.Kind, stalledAfter.Seconds())
 		if err != nil {

@@ -30,7 +30,7 @@ type Backlog struct {
 	NextDue time.Time `json:"next_scheduled_due_at"`
 }
 
-// BacklogSQL reads a Backlog. $1 is the "behind" threshold in seconds.
+// backlogSQL reads a Backlog. $1 is the "behind" threshold in seconds.
 // Every count is a range of the claim index (status = 'pending', ordered by
 // scheduled_at): the due part ends at now() and costs what the backlog
 // costs; the scheduled count reads every scheduled entry (about 25 ms per
@@ -38,7 +38,7 @@ type Backlog struct {
 // due part. Run it in the same snapshot as other figures that must agree
 // with it (outboxctl stats runs one REPEATABLE READ, read-only
 // transaction).
-const BacklogSQL = `
+const backlogSQL = `
 SELECT count(*) FILTER (WHERE scheduled_at <= now()),
        count(*) FILTER (WHERE scheduled_at <= now() - make_interval(secs => $1)),
        coalesce(extract(epoch FROM now() - min(scheduled_at) FILTER (WHERE scheduled_at <= now())), 0)::float8,
@@ -60,7 +60,7 @@ func ReadBacklog(ctx context.Context, q Querier, behind time.Duration) (Backlog,
 		oldestS float64
 		next    *time.Time
 	)
-	if err := q.QueryRow(ctx, BacklogSQL, behind.Seconds()).Scan(&b.Due, &b.DueOver, &oldestS, &b.Scheduled, &next); err != nil {
+	if err := q.QueryRow(ctx, backlogSQL, behind.Seconds()).Scan(&b.Due, &b.DueOver, &oldestS, &b.Scheduled, &next); err != nil {
 		return Backlog{}, fmt.Errorf("read the pending backlog: %w", err)
 	}
 	b.OldestDueAge = time.Duration(oldestS * float64(time.Second))

@@ -114,6 +114,11 @@ func printStats(w io.Writer, r *admin.Stats) {
 		parts = append(parts, fmt.Sprintf("%s %d", s, r.Events[s]))
 	}
 	fmt.Fprintln(w, strings.Join(parts, ", "))
+	fmt.Fprintf(w, "pending: %d due, %d scheduled", r.PendingDue, r.PendingScheduled)
+	if r.NextScheduledDueAt != nil {
+		fmt.Fprintf(w, " (next due %s)", r.NextScheduledDueAt.UTC().Format(time.RFC3339))
+	}
+	fmt.Fprintln(w)
 	fmt.Fprintf(w, "oldest due pending: %.1fs; pending due for more than 60s: %d\n", r.OldestDuePendingAgeS, r.PendingDueOver60s)
 	if r.RetentionLastFinished != nil {
 		fmt.Fprintf(w, "retention last finished: %s\n", r.RetentionLastFinished.Format(time.RFC3339))
