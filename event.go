@@ -13,6 +13,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/outboxhq/outbox/internal/jsonlimit"
 )
@@ -44,6 +45,25 @@ const (
 	// the database's now(), and theirs is the check that counts.
 	MaxDelay = 8760 * time.Hour
 )
+
+// Trace context (migration 010). The column trace_context holds the W3C
+// traceparent header value, alone or followed by one space and the
+// tracestate header value. The rule is written in SQL too
+// (outbox_trace_context_problem); rules_test.go checks that they agree.
+const (
+	// maxTraceStateBytes is the longest tracestate stored: W3C asks every
+	// system to pass on at least 512 bytes and allows dropping the rest.
+	maxTraceStateBytes = 512
+	// maxTraceContextBytes is a 55-byte traceparent, a space and the
+	// longest tracestate.
+	maxTraceContextBytes = 55 + 1 + maxTraceStateBytes
+)
+
+// traceContextPattern is the shape of a stored trace context: a version 00
+// traceparent (lowercase hex), then optionally a space and a tracestate of
+// printable ASCII that neither starts nor ends with a space. The all-zero
+// trace and parent ids are refused apart (traceContextProblem).
+var traceContextPattern = regexp.MustCompile(`^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}( [!-~]([ -~]*[!-~])?)?$`)
 
 // batchIndex finds the 1-based position that outbox_publish_many names in
 // its errors (event_types[3]).
@@ -364,12 +384,58 @@ func truncate(s string, n int) string {
 // ErrInvalidEvent and names the field). A duplicate DispatchKey is not an
 // error: Published.Duplicate is true and the transaction stays usable.
 // Publish never commits or rolls back tx.
+//
+// When ctx carries an OpenTelemetry span context, Publish stores its W3C
+// trace context (traceparent and tracestate) with the event; the handoff
+// copies it into the River job's metadata, and the receiver's span
+// continues the trace (see package outboxriver). This needs migration 010.
 func Publish(ctx context.Context, tx pgx.Tx, event Event) (Published, error) {
 	res, err := PublishMany(ctx, tx, []Event{event})
 	if err != nil {
 		return Published{}, err
 	}
 	return res[0], nil
+}
+
+// traceContextProblem says what is wrong with a stored trace context, or ""
+// when it is acceptable, by the rule of outbox_trace_context_problem.
+func traceContextProblem(tc string) string {
+	switch {
+	case len(tc) > maxTraceContextBytes:
+		return fmt.Sprintf("is %d bytes, the limit is %d", len(tc), maxTraceContextBytes)
+	case !traceContextPattern.MatchString(tc):
+		return "must be a W3C traceparent of version 00, optionally followed by one space and a tracestate of printable ASCII"
+	case tc[3:35] == strings.Repeat("0", 32) || tc[36:52] == strings.Repeat("0", 16):
+		return "has an all-zero trace id or parent id, which W3C Trace Context forbids"
+	}
+	return ""
+}
+
+// traceContext returns the W3C trace context of the span in ctx in the
+// form of the column trace_context, or "" when ctx carries no valid span
+// context. It always uses the W3C propagator, whatever the global one
+// (otel.SetTextMapPropagator) is, because the column and the River job
+// metadata hold W3C headers. The span context comes from any OpenTelemetry
+// tracer (or trace.ContextWithRemoteSpanContext); a tracestate past 512
+// bytes is dropped, as W3C allows, and the trace goes on without it.
+func traceContext(ctx context.Context) string {
+	carrier := propagation.MapCarrier{}
+	propagation.TraceContext{}.Inject(ctx, carrier)
+	tp := carrier.Get("traceparent")
+	if tp == "" {
+		return ""
+	}
+	tc := tp
+	if ts := carrier.Get("tracestate"); ts != "" && len(ts) <= maxTraceStateBytes {
+		tc += " " + ts
+	}
+	if traceContextProblem(tc) != "" {
+		tc = tp // the tracestate broke the rule: drop it
+	}
+	if traceContextProblem(tc) != "" {
+		return "" // not a version 00 traceparent: never fail a publish for tracing
+	}
+	return tc
 }
 
 // publishManySQL publishes a batch through outbox_publish_many, which
@@ -386,12 +452,23 @@ const publishManySQL = `SELECT ord, duplicate, id FROM outbox_publish_many($1::t
 // schema migrated before 008.
 const publishManyDelayedSQL = `SELECT ord, duplicate, id FROM outbox_publish_many($1::text[], $2::jsonb[], $3::text[], $4::text[], not_befores => $5::timestamptz[])`
 
+// publishManyTracedSQL is publishManySQL with the trace context of the
+// caller's ctx (migration 010), the same for every event of the call: it is
+// sent once and repeated by array_fill. It is used only when ctx carries a
+// span context, so that producers that do not trace also work against a
+// schema migrated before 010.
+const publishManyTracedSQL = `SELECT ord, duplicate, id FROM outbox_publish_many($1::text[], $2::jsonb[], $3::text[], $4::text[], trace_contexts => array_fill($5::text, ARRAY[cardinality($1::text[])]))`
+
+// publishManyDelayedTracedSQL has both the due times and the trace context.
+const publishManyDelayedTracedSQL = `SELECT ord, duplicate, id FROM outbox_publish_many($1::text[], $2::jsonb[], $3::text[], $4::text[], not_befores => $5::timestamptz[], trace_contexts => array_fill($6::text, ARRAY[cardinality($1::text[])]))`
+
 // PublishMany writes a batch of events in the caller's transaction in one
 // round trip (a call of the SQL function outbox_publish_many) and returns
 // one result per event, in order. All events are
 // validated first; if any is invalid nothing is written. Duplicate dispatch
 // keys (stored earlier or repeated inside the batch) yield the first event's
-// id with Duplicate = true.
+// id with Duplicate = true. Every event gets the trace context of ctx, as
+// with Publish.
 func PublishMany(ctx context.Context, tx pgx.Tx, events []Event) ([]Published, error) {
 	if len(events) == 0 {
 		return nil, nil
@@ -434,13 +511,22 @@ func PublishMany(ctx context.Context, tx pgx.Tx, events []Event) ([]Published, e
 	var (
 		rows pgx.Rows
 		err  error
+		tc   = traceContext(ctx)
 	)
-	if delays == nil {
+	switch {
+	case delays == nil && tc == "":
 		rows, err = tx.Query(ctx, publishManySQL, types, payloads, tenants, keys)
-	} else {
+	case tc == "":
 		rows, err = tx.Query(ctx, publishManyDelayedSQL, types, payloads, tenants, keys, delays)
+	case delays == nil:
+		rows, err = tx.Query(ctx, publishManyTracedSQL, types, payloads, tenants, keys, tc)
+	default:
+		rows, err = tx.Query(ctx, publishManyDelayedTracedSQL, types, payloads, tenants, keys, delays, tc)
 	}
 	if err != nil {
+		if tc != "" {
+			err = traceSchemaError(err)
+		}
 		return nil, publishError(err, events)
 	}
 	out := make([]Published, len(events))
@@ -468,6 +554,17 @@ func PublishMany(ctx context.Context, tx pgx.Tx, events []Event) ([]Published, e
 		return nil, fmt.Errorf("outbox: publish: outbox_publish_many returned %d results for %d events", n, len(events))
 	}
 	return out, nil
+}
+
+// traceSchemaError explains the error of a traced publish against a schema
+// migrated before 010, whose outbox_publish_many has no trace_contexts
+// parameter (42883, undefined_function).
+func traceSchemaError(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42883" && strings.Contains(pgErr.Message, "outbox_publish_many") {
+		return fmt.Errorf("the database schema predates migration 010 (trace context), and ctx carries a trace: run `outboxctl migrate` before deploying producers of this version, or publish with a ctx without a span context (trace.ContextWithSpanContext(ctx, trace.SpanContext{})) until then: %w", err)
+	}
+	return err
 }
 
 // publishError wraps an error of the publishing statement. A serialization

@@ -46,6 +46,9 @@ type Event struct {
 	Retries     int
 	CreatedAt   time.Time
 	ScheduledAt time.Time
+	// TraceContext is the producer's W3C trace context (migration 010), or
+	// "" when none.
+	TraceContext string
 
 	// fault says why this row cannot be handed off (see rowFault), or "".
 	fault string
@@ -96,7 +99,7 @@ ORDER BY scheduled_at, id
 LIMIT $1
 FOR UPDATE SKIP LOCKED`
 
-const claimColumns = `id, event_type, tenant_id, payload, dispatch_key, retries, created_at, scheduled_at`
+const claimColumns = `id, event_type, tenant_id, payload, dispatch_key, retries, created_at, scheduled_at, trace_context`
 
 // budgeted bounds a claim by payload bytes as well as by count: of the rows
 // the locking query (claimSQL, claimAfterSQL) returns, in claim order, it
@@ -117,7 +120,7 @@ const claimColumns = `id, event_type, tenant_id, payload, dispatch_key, retries,
 func budgeted(locking string) string {
 	return `
 SELECT id, event_type, tenant_id, CASE WHEN size > $3 THEN NULL ELSE payload END, size,
-       dispatch_key, retries, created_at, scheduled_at, has_next
+       dispatch_key, retries, created_at, scheduled_at, trace_context, has_next
 FROM (
     SELECT s.*, sum(s.size) OVER w AS size_upto, row_number() OVER w AS n2
     FROM (
@@ -581,10 +584,14 @@ func scanEvent(row pgx.CollectableRow) (Event, error) {
 	var (
 		e                  Event
 		created, scheduled pgtype.Timestamptz
+		traceContext       *string
 	)
 	var size int
-	if err := row.Scan(&e.ID, &e.Type, &e.TenantID, (*[]byte)(&e.Payload), &size, &e.DispatchKey, &e.Retries, &created, &scheduled, &e.more); err != nil {
+	if err := row.Scan(&e.ID, &e.Type, &e.TenantID, (*[]byte)(&e.Payload), &size, &e.DispatchKey, &e.Retries, &created, &scheduled, &traceContext, &e.more); err != nil {
 		return e, err
+	}
+	if traceContext != nil {
+		e.TraceContext = *traceContext
 	}
 	e.CreatedAt, e.ScheduledAt = created.Time, scheduled.Time
 	switch {
@@ -641,12 +648,13 @@ func (h *Handoff) handoff(ctx context.Context, tx *pipeTx, events []Event) (Resu
 			continue
 		}
 		args := outboxriver.EventArgs{
-			EventID:     e.ID,
-			EventType:   e.Type,
-			TenantID:    e.TenantID,
-			Payload:     e.Payload,
-			DispatchKey: e.DispatchKey,
-			CreatedAt:   e.CreatedAt,
+			EventID:      e.ID,
+			EventType:    e.Type,
+			TenantID:     e.TenantID,
+			Payload:      e.Payload,
+			DispatchKey:  e.DispatchKey,
+			CreatedAt:    e.CreatedAt,
+			TraceContext: e.TraceContext,
 		}
 		// One job per queue of the rule, shaped by the route (kind, args,
 		// priority, max attempts, tags) and carrying the event in its

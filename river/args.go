@@ -28,6 +28,13 @@ type EventArgs struct {
 	DispatchKey *string `json:"dispatch_key"`
 	// CreatedAt is when the event was written (the database's clock).
 	CreatedAt time.Time `json:"created_at"`
+	// TraceContext is the producer's W3C trace context as the outbox
+	// stores it (the traceparent, optionally followed by a space and the
+	// tracestate), or "" when none. It is not part of the args JSON: the
+	// handoff (JobParams) writes it into the job's metadata under
+	// MetadataTraceParent and MetadataTraceState, where River's
+	// OpenTelemetry middleware and TraceMiddleware read it.
+	TraceContext string `json:"-"`
 }
 
 // Kind implements river.JobArgs.

@@ -8,6 +8,10 @@ import (
 	"sort"
 
 	"github.com/riverqueue/river"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/outboxhq/outbox/alert"
 	"github.com/outboxhq/outbox/route"
@@ -146,7 +150,14 @@ type WorkerOptions struct {
 	// Logger logs handler failures at debug level (River logs them too).
 	// nil means slog.Default().
 	Logger *slog.Logger
+	// TracerProvider makes the span each job's handler runs in. nil means
+	// the global one (otel.GetTracerProvider), which does nothing until the
+	// program sets one.
+	TracerProvider trace.TracerProvider
 }
+
+// TracerName is the name of the OpenTelemetry tracer of Worker's spans.
+const TracerName = "github.com/outboxhq/outbox/river"
 
 // Worker is the River worker for kind "outbox_event": it hands each job's
 // event to the handler of the longest matching prefix. Add it to a
@@ -156,10 +167,18 @@ type WorkerOptions struct {
 // (River retries it) and raises an alert.NoHandler alert on its first
 // attempt and on its last, so a missing handler is neither silent nor
 // dropped.
+//
+// Each job runs in a span named "outbox.handle" (kind consumer) that
+// continues the producer's trace: its parent is the span in ctx when that
+// span is in the producer's trace (River's OpenTelemetry middleware after
+// TraceMiddleware), else the producer's span context from the job's
+// metadata, with a link to the span in ctx if there is one. A job without
+// a trace context gets a span under whatever ctx holds (or a new trace).
 type Worker struct {
 	river.WorkerDefaults[EventArgs]
 	handlers *Handlers
 	alerter  alert.Alerter
+	tracer   trace.Tracer
 }
 
 // NewWorker returns a Worker dispatching to handlers.
@@ -175,13 +194,28 @@ func NewWorker(handlers *Handlers, opts WorkerOptions) *Worker {
 	if alerter == nil {
 		alerter = alert.Log{Logger: logger}
 	}
-	return &Worker{handlers: handlers, alerter: alerter}
+	tp := opts.TracerProvider
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+	}
+	return &Worker{handlers: handlers, alerter: alerter, tracer: tp.Tracer(TracerName)}
 }
 
 // Work implements river.Worker.
-func (w *Worker) Work(ctx context.Context, job *river.Job[EventArgs]) error {
+func (w *Worker) Work(ctx context.Context, job *river.Job[EventArgs]) (err error) {
 	ev := EventFromJob(job)
-	h, _, ok := w.handlers.Lookup(ev.Type)
+	h, prefix, ok := w.handlers.Lookup(ev.Type)
+	ctx, span := w.startSpan(ctx, job, ev)
+	defer func() {
+		if ok {
+			span.SetAttributes(attribute.String("outbox.handler_prefix", prefix))
+		}
+		if err != nil {
+			span.RecordError(err)
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.End()
+	}()
 	if !ok {
 		err := &NoHandlerError{EventID: ev.ID, EventType: ev.Type, Queue: job.Queue}
 		if job.Attempt <= 1 || job.Attempt >= job.MaxAttempts {
@@ -204,4 +238,31 @@ func (w *Worker) Work(ctx context.Context, job *river.Job[EventArgs]) error {
 		return err
 	}
 	return h.HandleEvent(ctx, ev)
+}
+
+// startSpan starts the span of one job (see Worker).
+func (w *Worker) startSpan(ctx context.Context, job *river.Job[EventArgs], ev Event) (context.Context, trace.Span) {
+	opts := []trace.SpanStartOption{
+		trace.WithSpanKind(trace.SpanKindConsumer),
+		trace.WithAttributes(
+			attribute.Int64("outbox.event_id", ev.ID),
+			attribute.String("outbox.event_type", ev.Type),
+			attribute.Int64("river.job_id", job.ID),
+			attribute.String("river.queue", job.Queue),
+			attribute.Int("river.attempt", job.Attempt),
+		),
+	}
+	if ev.TenantID != "" {
+		opts = append(opts, trace.WithAttributes(attribute.String("outbox.tenant_id", ev.TenantID)))
+	}
+	if producer := ProducerSpanContext(job.JobRow); producer.IsValid() {
+		current := trace.SpanContextFromContext(ctx)
+		if current.TraceID() != producer.TraceID() {
+			if current.IsValid() {
+				opts = append(opts, trace.WithLinks(trace.Link{SpanContext: current}))
+			}
+			ctx = trace.ContextWithRemoteSpanContext(ctx, producer)
+		}
+	}
+	return w.tracer.Start(ctx, "outbox.handle", opts...)
 }

@@ -38,6 +38,9 @@ const (
 	MetadataArgs = "outbox_args"
 )
 
+// The producer's trace context is in the metadata too, under the W3C keys
+// MetadataTraceParent and MetadataTraceState (trace.go).
+
 // jobMetadata is the JSON of the metadata keys above.
 type jobMetadata struct {
 	EventID     *int64     `json:"outbox_event_id"`
@@ -46,6 +49,8 @@ type jobMetadata struct {
 	DispatchKey *string    `json:"outbox_dispatch_key,omitempty"`
 	CreatedAt   time.Time  `json:"outbox_created_at"`
 	Args        route.Args `json:"outbox_args"`
+	TraceParent string     `json:"traceparent,omitempty"`
+	TraceState  string     `json:"tracestate,omitempty"`
 }
 
 // PayloadArgs are the args of a job whose route says args: payload: the
@@ -90,7 +95,9 @@ func (a KindedEventArgs) MarshalJSON() ([]byte, error) { return json.Marshal(a.E
 // JobParams returns the River insert params of the jobs rule makes for one
 // event: one per queue of the rule, in the rule's order, each with its
 // queue's shape (kind, args, priority, max attempts, tags) and the outbox
-// metadata (MetadataEventID and the rest). ev carries the event as claimed;
+// metadata (MetadataEventID and the rest, and the producer's trace context
+// from ev.TraceContext under MetadataTraceParent and MetadataTraceState).
+// ev carries the event as claimed;
 // its Payload is passed on as raw JSON, never parsed.
 //
 // rule is a rule of a route.Table (route.New fills in and validates the job
@@ -112,6 +119,7 @@ func JobParams(rule route.Rule, ev EventArgs) []river.InsertManyParams {
 		DispatchKey: ev.DispatchKey,
 		CreatedAt:   ev.CreatedAt,
 	}
+	meta.TraceParent, meta.TraceState = splitTraceContext(ev.TraceContext)
 	var encoded [2][]byte // per args shape: the metadata differs only there
 	params := make([]river.InsertManyParams, len(jobs))
 	for i, j := range jobs {

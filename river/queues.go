@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/rivertype"
 )
 
 // DefaultMaxWorkers is a queue's MaxWorkers when none is given.
@@ -29,8 +30,10 @@ type Queue struct {
 
 // QueuesConfig returns a River client config that works queues with
 // workers, using the outbox's latency defaults (WorkerLatency) for the
-// client and each Queue's overrides. Callers may set further fields (Logger,
-// ErrorHandler, ID, ...) before river.NewClient.
+// client and each Queue's overrides, and TraceMiddleware (the work of a job
+// continues its producer's trace). Callers may set further fields (Logger,
+// ErrorHandler, ID, ...) before river.NewClient, and append River's
+// OpenTelemetry middleware to Middleware (after TraceMiddleware).
 func QueuesConfig(workers *river.Workers, queues []Queue, lat WorkerLatency) *river.Config {
 	lat = lat.withDefaults()
 	qs := make(map[string]river.QueueConfig, len(queues))
@@ -61,6 +64,7 @@ func QueuesConfig(workers *river.Workers, queues []Queue, lat WorkerLatency) *ri
 		FetchPollInterval: lat.FetchPollInterval,
 		Queues:            qs,
 		Workers:           workers,
+		Middleware:        []rivertype.Middleware{NewTraceMiddleware()},
 	}
 }
 
