@@ -3,3 +3,7 @@ package outbox
 // TypePattern is the event-type regexp, for rules_test.go, which checks
 // that the database's copies of the rule are the same text.
 var TypePattern = typePattern
+
+// TraceContextProblem is the Go copy of the trace context rule, for
+// tracing_test.go, which checks it against the database's.
+var TraceContextProblem = traceContextProblem

@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+	"github.com/riverqueue/river/rivertype"
 
 	"github.com/outboxhq/outbox"
 	"github.com/outboxhq/outbox/internal/pgtest"
@@ -178,6 +179,46 @@ func checkMetadata(t *testing.T, raw []byte, want outboxriver.EventArgs, args st
 	}
 	if at, _ := time.Parse(time.RFC3339Nano, m[outboxriver.MetadataCreatedAt].(string)); !at.Equal(want.CreatedAt) {
 		t.Errorf("metadata %s: created_at %v, want %v", raw, at, want.CreatedAt)
+	}
+	wantParent, wantState, _ := strings.Cut(want.TraceContext, " ")
+	parent, hasParent := m[outboxriver.MetadataTraceParent]
+	state, hasState := m[outboxriver.MetadataTraceState]
+	if (wantParent != "") != hasParent || (hasParent && parent != wantParent) || (wantState != "") != hasState || (hasState && state != wantState) {
+		t.Errorf("metadata %s: traceparent %v, tracestate %v, want the trace context %q", raw, parent, state, want.TraceContext)
+	}
+}
+
+// The handoff writes the event's trace context into every job's metadata
+// under the W3C keys, and never into the args.
+func TestJobParamsCarryTheTraceContext(t *testing.T) {
+	t.Parallel()
+	const tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+	rule := parseRoutes(t, nativeRoutes)
+	for _, tc := range []string{tp, tp + " rojo=00f067aa0ba902b7,congo=t61rcWkgMzE"} {
+		for _, typ := range []string{"billing.invoice.paid", "billing.invoice.voided"} {
+			ev := outboxriver.EventArgs{EventID: 5, EventType: typ, Payload: json.RawMessage(`{"a":1}`), CreatedAt: time.Unix(1700000000, 0).UTC(), TraceContext: tc}
+			r, ok := rule.Match(typ)
+			if !ok {
+				t.Fatal(typ)
+			}
+			for _, p := range outboxriver.JobParams(r, ev) {
+				shape := "envelope"
+				if typ == "billing.invoice.paid" {
+					shape = "payload"
+				}
+				checkMetadata(t, p.InsertOpts.Metadata, ev, shape)
+				args, err := json.Marshal(p.Args)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if strings.Contains(string(args), "00f067aa0ba902b7") {
+					t.Errorf("%s: the trace context is in the args %s", typ, args)
+				}
+				if sc := outboxriver.ProducerSpanContext(&rivertype.JobRow{Metadata: p.InsertOpts.Metadata}); sc.SpanID().String() != "00f067aa0ba902b7" {
+					t.Errorf("%s: ProducerSpanContext of the metadata = %+v", typ, sc)
+				}
+			}
+		}
 	}
 }
 
@@ -443,7 +484,8 @@ func TestMetadataKeysDocumented(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, k := range []string{outboxriver.MetadataEventID, outboxriver.MetadataEventType, outboxriver.MetadataTenantID,
-		outboxriver.MetadataDispatchKey, outboxriver.MetadataCreatedAt, outboxriver.MetadataArgs} {
+		outboxriver.MetadataDispatchKey, outboxriver.MetadataCreatedAt, outboxriver.MetadataArgs,
+		outboxriver.MetadataTraceParent, outboxriver.MetadataTraceState} {
 		if !strings.Contains(string(data), "| `"+k+"` |") {
 			t.Errorf("docs/routes.md does not document metadata key %s", k)
 		}
