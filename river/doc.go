@@ -20,6 +20,12 @@
 //
 // PurgeReceipts deletes receipts after their TTL.
 //
+// Tracing: a job carries its producer's W3C trace context in its metadata
+// (MetadataTraceParent, MetadataTraceState). Worker runs each handler in an
+// "outbox.handle" span whose parent is the producer's span, and
+// TraceMiddleware (installed by QueuesConfig) does the same for any worker
+// and for River's OpenTelemetry middleware placed after it.
+//
 // The workers' River client: QueuesConfig builds a River client config for
 // a set of queues (per-queue MaxWorkers, FetchCooldown, FetchPollInterval)
 // with the outbox's low-latency defaults, and GroupClientID names the
