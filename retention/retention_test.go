@@ -246,20 +246,9 @@ func TestRunDoesNotBlockDispatcher(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		var pending int
-		if err := s.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE status = 'pending'`).Scan(&pending); err != nil {
-			t.Fatal(err)
-		}
-		if pending == 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d events still pending while a retention batch is open: retention blocks the dispatcher", pending)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	pgtest.WaitFor(t, 30*time.Second, "the events handed off while a retention batch is open (retention must not block the dispatcher)", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'pending'`) == 0
+	})
 	close(release)
 	if err := <-done; err != nil {
 		t.Fatal(err)
@@ -296,7 +285,7 @@ func TestRunnerRunsOncePerInterval(t *testing.T) {
 	if err := r.Start(ctx); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(r.Stop)
+	t.Cleanup(func() { _ = r.Stop(context.Background()) })
 	select {
 	case res := <-runs:
 		if res.Deleted != 12 || res.Batches != 3 {
@@ -317,8 +306,15 @@ func TestRunnerRunsOncePerInterval(t *testing.T) {
 	if err != nil || res != nil {
 		t.Fatalf("RunIfDue right after a run = %+v, %v; want not due", res, err)
 	}
-	r.Stop()
-	r.Stop() // idempotent
+	if err := r.Stop(ctx); err != nil {
+		t.Fatalf("stop: %v", err)
+	}
+	if err := r.Stop(ctx); err != nil { // idempotent
+		t.Fatalf("second stop: %v", err)
+	}
+	if err := r.Start(ctx); err == nil {
+		t.Fatal("a stopped runner started again")
+	}
 }
 
 func TestConfig(t *testing.T) {
