@@ -42,7 +42,13 @@ func daemon(t *testing.T, env ...string) (*exec.Cmd, *proctest.SyncBuffer) {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		if t.Failed() {
+			t.Logf("outboxd log:\n%s", out.String())
+		}
+	})
 	return cmd, out
 }
 
@@ -68,13 +74,7 @@ func waitExit(t *testing.T, cmd *exec.Cmd, d time.Duration) int {
 
 func waitLog(t *testing.T, out *proctest.SyncBuffer, want string) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !strings.Contains(out.String(), want) {
-		if time.Now().After(deadline) {
-			t.Fatalf("log never said %q:\n%s", want, out.String())
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	pgtest.WaitFor(t, 30*time.Second, fmt.Sprintf("the log to say %q", want), func() bool { return strings.Contains(out.String(), want) })
 }
 
 func TestBadConfigStopsAtStartup(t *testing.T) {
@@ -195,23 +195,17 @@ func TestDispatchesAndStopsCleanly(t *testing.T) {
 	if err := s.Pool.QueryRow(ctx, `SELECT outbox_publish('billing.invoice.paid', '{"invoice": 7}')`).Scan(&id); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		var status, queue string
+	var queue string
+	pgtest.WaitFor(t, 5*time.Second, "the event dispatched (poll interval 10 s)", func() bool {
+		var status string
 		err := s.Pool.QueryRow(ctx, `SELECT e.status::text, coalesce(j.queue, '') FROM outbox_event e LEFT JOIN river_job j ON j.id = e.river_job_ids[1] WHERE e.id = $1`, id).Scan(&status, &queue)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if status == "done" {
-			if queue != "outbox_notification" {
-				t.Fatalf("job in queue %q", queue)
-			}
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("not dispatched within 5s (poll interval 10s):\n%s", out.String())
-		}
-		time.Sleep(20 * time.Millisecond)
+		return status == "done"
+	})
+	if queue != "outbox_notification" {
+		t.Fatalf("job in queue %q", queue)
 	}
 	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
@@ -245,7 +239,7 @@ func TestKill9DuringDrainLosesAndDuplicatesNothing(t *testing.T) {
 	env := []string{"OUTBOX_DISPATCHER_ENABLED=true", "OUTBOX_ROUTES_FILE=" + routes, "DATABASE_URL=" + s.URL,
 		"OUTBOX_DISPATCH_INTERVAL_MS=200", "OUTBOX_DISPATCH_CONCURRENCY=4"}
 	victim, _ := daemon(t, env...)
-	survivor, out := daemon(t, env...)
+	survivor, _ := daemon(t, env...)
 
 	done := func() int {
 		var d int
@@ -254,23 +248,11 @@ func TestKill9DuringDrainLosesAndDuplicatesNothing(t *testing.T) {
 		}
 		return d
 	}
-	deadline := time.Now().Add(60 * time.Second)
-	for done() < n/10 {
-		if time.Now().After(deadline) {
-			t.Fatalf("drain did not start:\n%s", out.String())
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	pgtest.WaitFor(t, 60*time.Second, "the drain to start", func() bool { return done() >= n/10 })
 	if err := victim.Process.Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
-	deadline = time.Now().Add(120 * time.Second)
-	for done() < n {
-		if time.Now().After(deadline) {
-			t.Fatalf("only %d of %d done after the kill:\n%s", done(), n, out.String())
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	pgtest.WaitFor(t, 120*time.Second, "every event done after the kill", func() bool { return done() == n })
 	var jobs, dups, orphans int
 	if err := s.Pool.QueryRow(ctx, `SELECT
 		(SELECT count(*) FROM river_job),

@@ -62,20 +62,9 @@ func TestTwoGroupsWorkOnlyTheirQueues(t *testing.T) {
 			}
 		}
 	}
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		var completed int
-		if err := s.Pool.QueryRow(ctx, `SELECT count(*) FROM river_job WHERE state = 'completed'`).Scan(&completed); err != nil {
-			t.Fatal(err)
-		}
-		if completed == 20 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d of 20 jobs completed within 60s\ngeneral:\n%s\nmail:\n%s", completed, genOut.String(), mailOut.String())
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	pgtest.WaitFor(t, 60*time.Second, "20 jobs completed", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state = 'completed'`) == 20
+	})
 	rows, err := s.Pool.Query(ctx, `SELECT queue, attempted_by[1] FROM river_job ORDER BY id`)
 	if err != nil {
 		t.Fatal(err)
