@@ -8,6 +8,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"time"
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
@@ -37,7 +38,16 @@ const (
 	// decodable by any worker. The table's trigger and outbox_publish
 	// enforce the same number.
 	MaxPayloadDepth = jsonlimit.MaxDepth
+	// MaxDelay is the furthest ahead an event's NotBefore may be: 365 days
+	// (8760 hours). Publish checks it against this host's clock before the
+	// round trip; outbox_publish and outbox_publish_many check it against
+	// the database's now(), and theirs is the check that counts.
+	MaxDelay = 8760 * time.Hour
 )
+
+// batchIndex finds the 1-based position that outbox_publish_many names in
+// its errors (event_types[3]).
+var batchIndex = regexp.MustCompile(`^outbox_publish_many: [a-z_]+\[(\d+)\]`)
 
 // typePattern is the event type rule: at least three dot-separated segments
 // of lowercase [a-z0-9] with inner single dashes. The same expression is in
@@ -65,6 +75,14 @@ type Event struct {
 	// Empty means none. At most 256 bytes. Deleting a done row (retention)
 	// releases its key.
 	DispatchKey string
+	// NotBefore delays the event: it is not handed off before this time.
+	// The zero value means now. The database stamps the event's
+	// scheduled_at as the later of its own now() and NotBefore, so a time
+	// in the past also means now, and the database's clock, not this
+	// host's, decides when the event is due. At most MaxDelay ahead. A
+	// duplicate DispatchKey returns the stored event unchanged, due time
+	// included.
+	NotBefore time.Time
 }
 
 // Published is the outcome of publishing one event.
@@ -83,10 +101,14 @@ var ErrInvalidEvent = errors.New("invalid outbox event")
 type ValidationError struct {
 	// Index is the event's position in a PublishMany call (0 for Publish).
 	Index int
-	// Field is the Event field: "Type", "Payload", "TenantID" or "DispatchKey".
+	// Field is the Event field: "Type", "Payload", "TenantID",
+	// "DispatchKey" or "NotBefore".
 	Field string
 	// Rule says what the field must be.
 	Rule string
+	// cause is the database's error when the database refused the event
+	// (strict routing, or NotBefore past MaxDelay by the database's clock).
+	cause error
 }
 
 func (e *ValidationError) Error() string {
@@ -95,6 +117,17 @@ func (e *ValidationError) Error() string {
 
 // Is makes errors.Is(err, ErrInvalidEvent) true.
 func (e *ValidationError) Is(target error) bool { return target == ErrInvalidEvent }
+
+// Unwrap returns the database's error (wrapping ErrNoRoute for strict
+// routing), or nil when Go refused the event before the round trip.
+func (e *ValidationError) Unwrap() error { return e.cause }
+
+// ErrNoRoute is matched (errors.Is) by the error of Publish and PublishMany
+// when strict routing is on (`outboxctl routes sync --strict on`) and no
+// synced route prefix matches an event's type. The error is a
+// *ValidationError for the field "Type", and it also wraps the database's
+// *pgconn.PgError (22023, constraint outbox_route_strict).
+var ErrNoRoute = errors.New("no synced route matches the event type")
 
 // ValidateType checks an event type against the pattern and length rule and
 // returns a description of the rule it breaks, or nil.
@@ -286,6 +319,13 @@ func validateEvent(i int, e *Event) error {
 	if err := validateText(e.DispatchKey, MaxDispatchKeyBytes); err != nil {
 		return &ValidationError{Index: i, Field: "DispatchKey", Rule: err.Error()}
 	}
+	// A coarse check with this host's clock; the database checks again
+	// with its own.
+	if !e.NotBefore.IsZero() {
+		if ahead := time.Until(e.NotBefore); ahead > MaxDelay {
+			return &ValidationError{Index: i, Field: "NotBefore", Rule: fmt.Sprintf("is %s ahead, the limit is %s (365 days, outbox.MaxDelay): keep far-future due times in your own table and publish within a year of them", ahead.Round(time.Hour), MaxDelay)}
+		}
+	}
 	return nil
 }
 
@@ -340,6 +380,12 @@ func Publish(ctx context.Context, tx pgx.Tx, event Event) (Published, error) {
 // it can neither choose event ids nor read other tenants' keys.
 const publishManySQL = `SELECT ord, duplicate, id FROM outbox_publish_many($1::text[], $2::jsonb[], $3::text[], $4::text[])`
 
+// publishManyDelayedSQL is publishManySQL with the due times (migration
+// 008): NULL elements are due now. It is used only when some event has a
+// NotBefore, so that producers that delay nothing also work against a
+// schema migrated before 008.
+const publishManyDelayedSQL = `SELECT ord, duplicate, id FROM outbox_publish_many($1::text[], $2::jsonb[], $3::text[], $4::text[], not_befores => $5::timestamptz[])`
+
 // PublishMany writes a batch of events in the caller's transaction in one
 // round trip (a call of the SQL function outbox_publish_many) and returns
 // one result per event, in order. All events are
@@ -358,6 +404,7 @@ func PublishMany(ctx context.Context, tx pgx.Tx, events []Event) ([]Published, e
 		payloads = make([]string, len(events))
 		tenants  = make([]*string, len(events))
 		keys     = make([]*string, len(events))
+		delays   []*time.Time
 	)
 	for i := range events {
 		e := &events[i]
@@ -376,11 +423,25 @@ func PublishMany(ctx context.Context, tx pgx.Tx, events []Event) ([]Published, e
 		if e.DispatchKey != "" {
 			keys[i] = &e.DispatchKey
 		}
+		if !e.NotBefore.IsZero() {
+			if delays == nil {
+				delays = make([]*time.Time, len(events))
+			}
+			delays[i] = &e.NotBefore
+		}
 	}
 
-	rows, err := tx.Query(ctx, publishManySQL, types, payloads, tenants, keys)
+	var (
+		rows pgx.Rows
+		err  error
+	)
+	if delays == nil {
+		rows, err = tx.Query(ctx, publishManySQL, types, payloads, tenants, keys)
+	} else {
+		rows, err = tx.Query(ctx, publishManyDelayedSQL, types, payloads, tenants, keys, delays)
+	}
 	if err != nil {
-		return nil, publishError(err)
+		return nil, publishError(err, events)
 	}
 	out := make([]Published, len(events))
 	n := 0
@@ -401,7 +462,7 @@ func PublishMany(ctx context.Context, tx pgx.Tx, events []Event) ([]Published, e
 		n++
 	}
 	if err := rows.Err(); err != nil {
-		return nil, publishError(err)
+		return nil, publishError(err, events)
 	}
 	if n != len(events) {
 		return nil, fmt.Errorf("outbox: publish: outbox_publish_many returned %d results for %d events", n, len(events))
@@ -416,8 +477,30 @@ func PublishMany(ctx context.Context, tx pgx.Tx, events []Event) ([]Published, e
 // returned, because its row is invisible to the snapshot, and Postgres
 // raises 40001. The error still wraps the *pgconn.PgError, so retry loops
 // that look for 40001 work unchanged.
-func publishError(err error) error {
+//
+// The database's refusals that Go cannot foresee become a *ValidationError
+// naming the event and the field: strict routing (constraint
+// outbox_route_strict, field Type, also matching ErrNoRoute) and a NotBefore
+// past MaxDelay by the database's clock (outbox_max_delay, field
+// NotBefore).
+func publishError(err error, events []Event) error {
 	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "22023" {
+		i := 0
+		if m := batchIndex.FindStringSubmatch(pgErr.Message); m != nil {
+			if n, convErr := strconv.Atoi(m[1]); convErr == nil && n >= 1 && n <= len(events) {
+				i = n - 1
+			}
+		}
+		switch pgErr.ConstraintName {
+		case "outbox_route_strict":
+			return &ValidationError{Index: i, Field: "Type", cause: fmt.Errorf("%w: %w", ErrNoRoute, err),
+				Rule: fmt.Sprintf("%s matches no synced route and strict routing is on: %s", quoteShort(events[i].Type, 80), pgErr.Hint)}
+		case "outbox_max_delay":
+			return &ValidationError{Index: i, Field: "NotBefore", cause: err,
+				Rule: fmt.Sprintf("%s is more than %s (365 days, outbox.MaxDelay) after the database's clock: %s", events[i].NotBefore.Format(time.RFC3339), MaxDelay, pgErr.Hint)}
+		}
+	}
 	if errors.As(err, &pgErr) && pgErr.Code == "40001" { // serialization_failure
 		return fmt.Errorf("outbox: publish: a dispatch key of this batch was stored by a transaction that committed after this one's snapshot (REPEATABLE READ or SERIALIZABLE); retry the whole transaction, which then gets the stored event's id: %w", err)
 	}

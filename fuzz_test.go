@@ -47,7 +47,9 @@ func referenceType(t string) bool {
 // never panics, accepts exactly what the rule accepts, and its message
 // stays short however long the input.
 func FuzzValidateType(f *testing.F) {
-	for _, s := range []string{"billing.invoice.paid", "plugin.capability-use.granted", "a.b", "A.b.c", "a..c", "a.b.c.", "-a.b.c", "a.b-.c", "ä.b.c", "a.b.c\x00", strings.Repeat("a.", 128) + "a"} {
+	for _, s := range []string{"billing.invoice.paid", "plugin.capability-use.granted", "a.b", "A.b.c", "a..c", "a.b.c.", "-a.b.c", "a.b-.c", "ä.b.c", "a.b.c\x00", strings.Repeat("a.", 128) + "a",
+		// The length limit, in bytes, at and past the boundary.
+		strings.Repeat("a", outbox.MaxTypeBytes-4) + ".b.c", strings.Repeat("a", outbox.MaxTypeBytes-3) + ".b.c", strings.Repeat("a", outbox.MaxTypeBytes-5) + ".b.é"} {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, typ string) {
@@ -124,7 +126,11 @@ func plainNumbers(v any) bool {
 // JSON: valid UTF-8, no surrogate escapes, numbers without exponents. (In
 // between, refusing more is allowed: see TestPayloadSeedsAcceptedAreStorable.)
 func FuzzValidatePayload(f *testing.F) {
-	for _, s := range []string{`{}`, `{"a":1}`, `[1,"x",null,true]`, `"x"`, `{"a":"\u0000"}`, `{"a":"\\u0000"}`, `{"\u0000":1}`, `{"a":"\\\u0000"}`, `{`, `{} {}`, ``, `{"a":"\ud800"}`, `1e999999`, strings.Repeat("[", 1000) + strings.Repeat("]", 1000), strings.Repeat("[", 1001) + strings.Repeat("]", 1001)} {
+	for _, s := range []string{`{}`, `{"a":1}`, `[1,"x",null,true]`, `"x"`, `{"a":"\u0000"}`, `{"a":"\\u0000"}`, `{"\u0000":1}`, `{"a":"\\\u0000"}`, `{`, `{} {}`, ``, `{"a":"\ud800"}`, `1e999999`, strings.Repeat("[", 1000) + strings.Repeat("]", 1000), strings.Repeat("[", 1001) + strings.Repeat("]", 1001),
+		// The size limit at and past the boundary: a string prints as given,
+		// a separator gains a space in Postgres' text form.
+		`"` + strings.Repeat("a", outbox.MaxPayloadBytes-2) + `"`, `"` + strings.Repeat("a", outbox.MaxPayloadBytes-1) + `"`,
+		`["` + strings.Repeat("a", outbox.MaxPayloadBytes/2-4) + `","` + strings.Repeat("a", outbox.MaxPayloadBytes/2-4) + `"]`} {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, p []byte) {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/outboxhq/outbox/internal/config"
 	"github.com/outboxhq/outbox/retention"
 	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
@@ -168,7 +169,7 @@ func (c *Client) stats(ctx context.Context, opts StatsOpts) (*Stats, error) {
 	}
 	worked, workedSource := opts.WorkedQueues, opts.WorkedQueuesSource
 	if worked == nil && opts.Routes != nil {
-		active, err := outboxriver.ActiveQueues(ctx, c.pool, 0)
+		active, err := config.ActiveQueues(ctx, c.pool, 0)
 		if err != nil {
 			return nil, err
 		}

@@ -39,6 +39,25 @@ type LatencyResult struct {
 	Commit    *Summary      `json:"producer_commit"`
 	Clamped   int           `json:"clamped_negative"`
 	Stats     *dispatchStat `json:"dispatcher,omitempty"`
+	// Achieved is Published over the time the producers took, events/s.
+	Achieved float64 `json:"achieved_rate"`
+	// NotSent counts the events whose transaction had not begun by the
+	// producers' cutoff (see loadSpec.cutoff): a producer that cannot
+	// keep up sheds the rest instead of running on for minutes.
+	NotSent int `json:"not_sent,omitempty"`
+	// ProducerLag is how late the producers began transactions against
+	// their open-loop schedule (a producer that cannot keep up lags).
+	ProducerLag *Summary `json:"producer_lag,omitempty"`
+	// DrainSeconds is the time from the last producer commit to the last
+	// job's start (negative: not every job started within the limit).
+	DrainSeconds float64 `json:"drain_seconds"`
+	// Segments attribute the end-to-end time (see attribute).
+	Segments []Segment `json:"segments,omitempty"`
+	// Peer describes a peer job queue's run (its version and settings).
+	Peer string `json:"peer,omitempty"`
+	// Waits are the pg_stat_activity samples of each role's active
+	// backends (producers, dispatcher, workers) while the events flowed.
+	Waits map[string][]string `json:"pg_wait_events,omitempty"`
 }
 
 type dispatchStat struct {
@@ -53,14 +72,27 @@ type dispatchStat struct {
 // time.Now (monotonic): right after the producer's Commit returned, right
 // after the dispatcher's batch committed (OnBatch), and when the River
 // worker's Work began. The first read of each kind wins.
+//
+// created and attempted are the River job's created_at (the database's
+// clock at the start of the inserting transaction: the dispatcher's claim
+// transaction, or the producer's own for river-direct) and attempted_at
+// (the database's clock when River's fetch locked the job), read from the
+// job the worker is given. They carry no monotonic reading: segments that
+// mix them with this process's reads use the wall clock, which the server
+// and this process share on this machine.
 type clocks struct {
 	mu                    sync.Mutex
 	commit, handoff, work map[int64]time.Time
+	created, attempted    map[int64]time.Time
 	worked                atomic.Int64
+	lastWork              time.Time
 }
 
 func newClocks() *clocks {
-	return &clocks{commit: map[int64]time.Time{}, handoff: map[int64]time.Time{}, work: map[int64]time.Time{}}
+	return &clocks{
+		commit: map[int64]time.Time{}, handoff: map[int64]time.Time{}, work: map[int64]time.Time{},
+		created: map[int64]time.Time{}, attempted: map[int64]time.Time{},
+	}
 }
 
 func (c *clocks) mark(m map[int64]time.Time, t time.Time, ids ...int64) int {
@@ -84,9 +116,19 @@ type benchWorker struct {
 
 func (w *benchWorker) Work(_ context.Context, job *river.Job[outboxriver.EventArgs]) error {
 	now := time.Now()
-	if w.c.mark(w.c.work, now, job.Args.EventID) > 0 {
-		w.c.worked.Add(1)
+	c, id := w.c, job.Args.EventID
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if _, ok := c.work[id]; ok {
+		return nil
 	}
+	c.work[id] = now
+	c.lastWork = now
+	c.created[id] = job.CreatedAt
+	if job.AttemptedAt != nil {
+		c.attempted[id] = *job.AttemptedAt
+	}
+	c.worked.Add(1)
 	return nil
 }
 
@@ -94,7 +136,11 @@ func runLatency(ctx context.Context, e *env, o *Options) ([]LatencyResult, error
 	var out []LatencyResult
 	for _, mode := range []string{modeNotify, modePoll, modeRiverDirect} {
 		logf("latency %s: %d ev/s for %s", mode, o.Rate, o.Duration)
-		r, err := latencyMode(ctx, e, o, mode)
+		schema := map[string]string{modeNotify: "lat_notify", modePoll: "lat_poll", modeRiverDirect: "lat_river"}[mode]
+		r, err := latencyMode(ctx, e, loadSpec{
+			mode: mode, rate: o.Rate, duration: o.Duration, schema: schema,
+			producers: 8, drainLimit: 30 * time.Second,
+		})
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", mode, err)
 		}
@@ -103,6 +149,39 @@ func runLatency(ctx context.Context, e *env, o *Options) ([]LatencyResult, error
 	}
 	return out, nil
 }
+
+// loadSpec is one open-loop run of one mode.
+type loadSpec struct {
+	mode     string
+	rate     int
+	duration time.Duration
+	schema   string // created and migrated for this run
+	// producers is how many goroutines run the producer transactions.
+	producers int
+	// drainLimit is how long to wait, after the last commit, for the
+	// workers to start every job.
+	drainLimit time.Duration
+	// tolerateBacklog: jobs not started within drainLimit are a result
+	// (DrainSeconds < 0), not an error.
+	tolerateBacklog bool
+	// cutoff, when positive: events whose transaction has not begun this
+	// long after the start are not sent (counted in NotSent).
+	cutoff time.Duration
+	// sample: run the dispatcher on its own pool and sample the
+	// producers', dispatcher's and workers' backends in pg_stat_activity
+	// while the events flow (LatencyResult.Waits).
+	sample bool
+}
+
+// Application names of the latency runs' pools (sampled by role).
+const (
+	appWorkers    = "bench-workers"
+	appDispatcher = "bench-dispatcher"
+)
+
+// producerCutoff is when an open-loop run of d stops sending events that
+// are late: d plus half of it, at least 2 s more.
+func producerCutoff(d time.Duration) time.Duration { return d + max(2*time.Second, d/2) }
 
 func (r LatencyResult) line() string {
 	s := ""
@@ -132,15 +211,15 @@ func workerClient(ctx context.Context, e *env, p *pgxpool.Pool, c *clocks) (*riv
 	return rc, nil
 }
 
-func latencyMode(ctx context.Context, e *env, o *Options, mode string) (LatencyResult, error) {
-	res := LatencyResult{Mode: mode, Rate: o.Rate, Duration: o.Duration.String()}
-	schema := map[string]string{modeNotify: "lat_notify", modePoll: "lat_poll", modeRiverDirect: "lat_river"}[mode]
-	p, err := e.migrated(ctx, schema, 24)
+func latencyMode(ctx context.Context, e *env, spec loadSpec) (LatencyResult, error) {
+	mode, schema := spec.mode, spec.schema
+	res := LatencyResult{Mode: mode, Rate: spec.rate, Duration: spec.duration.String()}
+	p, err := e.migrated(ctx, schema, int32(max(24, spec.producers+8)))
 	if err != nil {
 		return res, err
 	}
 	defer p.Close()
-	wp, err := e.pool(ctx, schema, 12, "bench-workers")
+	wp, err := e.pool(ctx, schema, 12, appWorkers)
 	if err != nil {
 		return res, err
 	}
@@ -163,7 +242,14 @@ func latencyMode(ctx context.Context, e *env, o *Options, mode string) (LatencyR
 	)
 	switch mode {
 	case modeNotify, modePoll:
-		d, err = dispatcher.New(p, dispatcher.Config{
+		dp := p
+		if spec.sample {
+			if dp, err = e.pool(ctx, schema, 12, appDispatcher); err != nil {
+				return res, err
+			}
+			defer dp.Close()
+		}
+		d, err = dispatcher.New(dp, dispatcher.Config{
 			Routes:         e.routes,
 			ListenDisabled: mode == modePoll,
 			PollInterval:   time.Second,
@@ -204,24 +290,46 @@ func latencyMode(ctx context.Context, e *env, o *Options, mode string) (LatencyR
 
 	// Open-loop producer: event i is due at start + i/rate, whatever the
 	// previous commits took; a few goroutines run the transactions.
-	total := int(float64(o.Rate) * o.Duration.Seconds())
+	total := int(float64(spec.rate) * spec.duration.Seconds())
 	res.Events = total
-	due := make(chan int, total)
+	due := make(chan time.Time, total)
 	var (
-		wg        sync.WaitGroup
-		seq       atomic.Int64
-		published atomic.Int64
-		prodErr   atomic.Value
-		commitH   = newHist()
-		commitMu  sync.Mutex
+		wg         sync.WaitGroup
+		seq        atomic.Int64
+		published  atomic.Int64
+		prodErr    atomic.Value
+		commitH    = newHist()
+		lagH       = newHist()
+		commitMu   sync.Mutex
+		lastCommit time.Time
+		notSent    atomic.Int64
 	)
 	payload := json.RawMessage(`{"order_id":12345,"amount_cents":4200,"currency":"EUR","note":"bench"}`)
-	for range 8 {
+	var sampler *roleSampler
+	if spec.sample {
+		sampler = startRoleSampler(ctx, e.admin, 20*time.Millisecond, map[string]string{
+			"bench-" + schema: "producers", appDispatcher: "dispatcher", appWorkers: "workers",
+		})
+		defer func() {
+			if sampler != nil {
+				sampler.stop()
+			}
+		}()
+	}
+	// Event i is due at start + i/rate, whatever the previous commits
+	// took (open loop).
+	interval := time.Second / time.Duration(spec.rate)
+	start := time.Now()
+	for range max(1, spec.producers) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for range due {
+			for at := range due {
 				begin := time.Now()
+				if spec.cutoff > 0 && begin.Sub(start) > spec.cutoff {
+					notSent.Add(1)
+					continue
+				}
 				id, err := produceOne(ctx, p, mode, insertRC, payload, &seq)
 				now := time.Now()
 				if err != nil {
@@ -232,14 +340,17 @@ func latencyMode(ctx context.Context, e *env, o *Options, mode string) (LatencyR
 				published.Add(1)
 				commitMu.Lock()
 				record(commitH, now.Sub(begin))
+				record(lagH, begin.Sub(at))
+				if now.After(lastCommit) {
+					lastCommit = now
+				}
 				commitMu.Unlock()
 			}
 		}()
 	}
-	interval := time.Second / time.Duration(o.Rate)
-	start := time.Now()
 	for i := range total {
-		if wait := time.Until(start.Add(time.Duration(i) * interval)); wait > 0 {
+		at := start.Add(time.Duration(i) * interval)
+		if wait := time.Until(at); wait > 0 {
 			select {
 			case <-ctx.Done():
 				close(due)
@@ -248,7 +359,7 @@ func latencyMode(ctx context.Context, e *env, o *Options, mode string) (LatencyR
 			case <-time.After(wait):
 			}
 		}
-		due <- i
+		due <- at
 	}
 	close(due)
 	wg.Wait()
@@ -256,16 +367,32 @@ func latencyMode(ctx context.Context, e *env, o *Options, mode string) (LatencyR
 		return res, fmt.Errorf("producer: %w", err)
 	}
 	res.Published = int(published.Load())
+	res.NotSent = int(notSent.Load())
+	if res.Published == 0 {
+		return res, fmt.Errorf("no event was published")
+	}
+	res.Achieved = float64(res.Published) / max(lastCommit.Sub(start), spec.duration).Seconds()
 
 	// Wait for the workers to start every job (poll mode needs up to a
 	// poll interval more).
-	deadline := time.Now().Add(30 * time.Second)
+	deadline := lastCommit.Add(spec.drainLimit)
 	for c.worked.Load() < int64(res.Published) && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
+		time.Sleep(5 * time.Millisecond)
 	}
 	res.Worked = int(c.worked.Load())
+	if sampler != nil {
+		res.Waits = sampler.stop()
+		sampler = nil
+	}
+	res.DrainSeconds = -1
 	if res.Worked < res.Published {
-		return res, fmt.Errorf("only %d of %d jobs were worked within 30 s", res.Worked, res.Published)
+		if !spec.tolerateBacklog {
+			return res, fmt.Errorf("only %d of %d jobs were worked within %s", res.Worked, res.Published, spec.drainLimit)
+		}
+	} else {
+		c.mu.Lock()
+		res.DrainSeconds = max(0, c.lastWork.Sub(lastCommit).Seconds())
+		c.mu.Unlock()
 	}
 	if d != nil {
 		s := d.Stats()
@@ -295,6 +422,10 @@ func latencyMode(ctx context.Context, e *env, o *Options, mode string) (LatencyR
 	if res.Commit != nil {
 		res.Commit.CDF = nil
 	}
+	if res.ProducerLag = summarize(lagH); res.ProducerLag != nil {
+		res.ProducerLag.CDF = nil
+	}
+	res.Segments = attribute(c, mode != modeRiverDirect)
 	return res, nil
 }
 

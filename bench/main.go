@@ -1,5 +1,6 @@
 // Command bench is the outbox's benchmark suite: handoff and end-to-end
-// latency (notify vs poll vs River alone), drain throughput (1, 2, 4
+// latency (notify vs poll vs River alone), latency versus offered rate
+// (notify vs River alone, optionally Graphile Worker), drain throughput (1, 2, 4
 // dispatchers; batch 100 vs 1000; beside River's raw InsertMany), the
 // producer cost of the wake trigger, and the dispatcher's memory and CPU.
 //
@@ -9,8 +10,9 @@
 // and PNG plots under -out. See docs/benchmarks.md.
 //
 //	go run . -quick            # under a minute (CI)
-//	go run .                   # the full suite, about five minutes
+//	go run .                   # the full suite, about eight minutes
 //	go run . -scenarios latency -rate 500 -duration 20s
+//	go run . -scenarios rates -peers graphile
 package main
 
 import (
@@ -44,11 +46,16 @@ type Options struct {
 	ScalingConcurrency int
 	Concurrency        int
 	Quick              bool
-	Out                string
-	Repo               string
-	URL                string
-	Keep               bool
-	Verbose            bool
+	// Rates are the offered rates of the rates scenario, each run for
+	// RatesDuration per mode; Peers are the peer job queues run beside.
+	Rates         []int
+	RatesDuration time.Duration
+	Peers         []string
+	Out           string
+	Repo          string
+	URL           string
+	Keep          bool
+	Verbose       bool
 }
 
 func main() {
@@ -62,8 +69,13 @@ func run() int {
 		dispatchers string
 		batches     string
 		clients     string
+		rates       string
+		peers       string
 	)
-	flag.StringVar(&scenarios, "scenarios", "latency,drain,producer", "comma-separated scenarios to run: latency, drain (includes resources), producer")
+	flag.StringVar(&scenarios, "scenarios", "latency,rates,drain,producer,scheduled", "comma-separated scenarios to run: latency, rates (latency versus rate), drain (includes resources), producer, scheduled (claim of due events beside a backlog due tomorrow)")
+	flag.StringVar(&rates, "rates", "200,500,1000,2000,4000,8000", "rates: offered events per second (quick mode: 200,1000)")
+	flag.DurationVar(&o.RatesDuration, "rates-duration", 10*time.Second, "rates: duration per rate and mode (quick mode: 2s)")
+	flag.StringVar(&peers, "peers", "", "rates: peer job queues to run beside the outbox: graphile (Graphile Worker on Node; skipped with a note when Node or the package cannot be installed)")
 	flag.IntVar(&o.Rate, "rate", 200, "latency: events per second")
 	flag.DurationVar(&o.Duration, "duration", 10*time.Second, "latency: duration per mode")
 	flag.IntVar(&o.N, "n", 100_000, "drain: backlog size")
@@ -94,6 +106,12 @@ func run() int {
 		if !set["scaling-concurrency"] {
 			o.ScalingConcurrency = 0
 		}
+		if !set["rates"] {
+			rates = "200,1000"
+		}
+		if !set["rates-duration"] {
+			o.RatesDuration = 2 * time.Second
+		}
 		if !set["producer-duration"] {
 			o.ProducerDuration = 700 * time.Millisecond
 			o.ProducerReps = 1
@@ -103,9 +121,20 @@ func run() int {
 	o.Scenarios = splitList(scenarios)
 	for _, s := range o.Scenarios {
 		switch s {
-		case "latency", "drain", "producer":
+		case "latency", "rates", "drain", "producer", "scheduled":
 		default:
-			fmt.Fprintf(os.Stderr, "bench: -scenarios: unknown scenario %q (want latency, drain, producer)\n", s)
+			fmt.Fprintf(os.Stderr, "bench: -scenarios: unknown scenario %q (want latency, rates, drain, producer, scheduled)\n", s)
+			return 2
+		}
+	}
+	if o.Rates, err = splitInts(rates); err != nil {
+		fmt.Fprintln(os.Stderr, "bench: -rates:", err)
+		return 2
+	}
+	o.Peers = splitList(peers)
+	for _, p := range o.Peers {
+		if p != peerGraphile {
+			fmt.Fprintf(os.Stderr, "bench: -peers: unknown peer %q (want %s)\n", p, peerGraphile)
 			return 2
 		}
 	}
@@ -121,8 +150,8 @@ func run() int {
 		fmt.Fprintln(os.Stderr, "bench: -clients:", err)
 		return 2
 	}
-	if o.Rate < 1 || o.Duration <= 0 || o.N < 1 || o.ProducerDuration <= 0 || o.ProducerReps < 1 {
-		fmt.Fprintln(os.Stderr, "bench: -rate, -duration, -n and -producer-duration must be positive")
+	if o.Rate < 1 || o.Duration <= 0 || o.RatesDuration <= 0 || o.N < 1 || o.ProducerDuration <= 0 || o.ProducerReps < 1 {
+		fmt.Fprintln(os.Stderr, "bench: -rate, -duration, -rates-duration, -n and -producer-duration must be positive")
 		return 2
 	}
 	if o.URL == "" {
@@ -160,10 +189,14 @@ func run() int {
 		switch s {
 		case "latency":
 			res.Latency, err = runLatency(ctx, env, &o)
+		case "rates":
+			res.Rates, err = runRates(ctx, env, &o)
 		case "drain":
 			res.Drain, err = runDrain(ctx, env, &o)
 		case "producer":
 			res.Producer, err = runProducer(ctx, env, &o, res.Drain)
+		case "scheduled":
+			res.Scheduled, err = runScheduled(ctx, env, &o)
 		}
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "bench: scenario %s: %v\n", s, err)

@@ -3,17 +3,24 @@ package main
 import (
 	"fmt"
 	"image/color"
+	"math"
 	"path/filepath"
 
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
 	"gonum.org/v1/plot/plotutil"
 	"gonum.org/v1/plot/vg"
+	"gonum.org/v1/plot/vg/draw"
 )
 
 func writePlots(r *Results, dir string) error {
 	if len(r.Latency) > 0 {
 		if err := latencyPlot(r, filepath.Join(dir, "latency_cdf.png")); err != nil {
+			return err
+		}
+	}
+	if r.Rates != nil && len(r.Rates.Runs) > 0 {
+		if err := ratesPlot(r.Rates, filepath.Join(dir, "latency_vs_rate.png")); err != nil {
 			return err
 		}
 	}
@@ -191,4 +198,98 @@ func producerPlot(r *Results, path string) error {
 	}
 	p.Y.Max = top * 1.3
 	return p.Save(8*vg.Inch, 4.5*vg.Inch, path)
+}
+
+// ratesPlot draws end-to-end p50 (dashed) and p99 (solid) against the
+// offered rate, one colour per mode, both axes on a log scale; a cross
+// marks the first rate at which a mode did not keep up.
+func ratesPlot(r *RateResults, path string) error {
+	p := plot.New()
+	p.Title.Text = "End-to-end latency versus offered rate (p50 dashed, p99 solid)"
+	p.X.Label.Text = "offered rate (events/s, log scale)"
+	p.Y.Label.Text = "latency from producer commit (ms, log scale)"
+	p.X.Scale = plot.LogScale{}
+	p.X.Tick.Marker = rateTicks(r.Rates)
+	p.Y.Scale = plot.LogScale{}
+	p.Y.Tick.Marker = plot.LogTicks{Prec: -1}
+	p.Legend.Top = true
+	p.Legend.Left = true
+	p.Add(plotter.NewGrid())
+	// Room above the curves for the legend (log scale: a factor).
+	lo, hi := 0.0, 0.0
+	for _, run := range r.Runs {
+		if run.EndToEnd != nil && run.Skipped == "" {
+			if lo == 0 || run.EndToEnd.P50 < lo {
+				lo = run.EndToEnd.P50
+			}
+			hi = max(hi, run.EndToEnd.P99)
+		}
+	}
+	if hi > 0 {
+		// The legend's rows take about 3% of the height each: leave that
+		// fraction f of the log range free above hi.
+		lo = max(lo/2, 0.01)
+		f := min(0.5, 0.035*float64(3*len(r.modes())+1))
+		p.Y.Min, p.Y.Max = lo, hi*math.Pow(hi/lo, f/(1-f))
+	}
+	for i, mode := range r.modes() {
+		var p50, p99 plotter.XYs
+		for _, run := range r.Runs {
+			if run.Mode != mode || run.Skipped != "" || run.EndToEnd == nil {
+				continue
+			}
+			x := float64(run.Rate)
+			p50 = append(p50, plotter.XY{X: x, Y: max(run.EndToEnd.P50, 0.01)})
+			p99 = append(p99, plotter.XY{X: x, Y: max(run.EndToEnd.P99, 0.01)})
+		}
+		if len(p99) == 0 {
+			continue
+		}
+		for _, s := range []struct {
+			pts    plotter.XYs
+			name   string
+			dashed bool
+		}{{p99, mode + " p99", false}, {p50, mode + " p50", true}} {
+			l, pts, err := plotter.NewLinePoints(s.pts)
+			if err != nil {
+				return err
+			}
+			l.Color = plotutil.Color(i)
+			l.Width = vg.Points(1.5)
+			pts.Color = plotutil.Color(i)
+			pts.Shape = draw.CircleGlyph{}
+			pts.Radius = vg.Points(2)
+			if s.dashed {
+				l.Dashes = []vg.Length{vg.Points(4), vg.Points(3)}
+			}
+			p.Add(l, pts)
+			p.Legend.Add(s.name, l)
+		}
+		if at := r.firstFailure(mode); at > 0 {
+			for _, pt := range p99 {
+				if pt.X != float64(at) {
+					continue
+				}
+				sc, err := plotter.NewScatter(plotter.XYs{pt})
+				if err != nil {
+					return err
+				}
+				sc.Color = plotutil.Color(i)
+				sc.Shape = draw.CrossGlyph{}
+				sc.Radius = vg.Points(7)
+				p.Add(sc)
+				p.Legend.Add(fmt.Sprintf("%s stops keeping up (%d ev/s)", mode, at), sc)
+			}
+		}
+	}
+	return p.Save(8*vg.Inch, 5*vg.Inch, path)
+}
+
+// rateTicks labels the x axis at the offered rates.
+func rateTicks(rates []int) plot.ConstantTicks {
+	t := make(plot.ConstantTicks, len(rates))
+	for i, r := range rates {
+		t[i] = plot.Tick{Value: float64(r), Label: fmt.Sprint(r)}
+	}
+	return t
 }

@@ -9,9 +9,12 @@ import (
 type Results struct {
 	Meta     Meta            `json:"meta"`
 	Latency  []LatencyResult `json:"latency,omitempty"`
+	Rates    *RateResults    `json:"rates,omitempty"`
 	Drain    *DrainResults   `json:"drain,omitempty"`
 	Producer []ProducerCell  `json:"producer,omitempty"`
-	Goals    []Goal          `json:"goals"`
+	// Scheduled is the claim beside a backlog of delayed events.
+	Scheduled []ScheduledResult `json:"scheduled,omitempty"`
+	Goals     []Goal            `json:"goals"`
 }
 
 // Goal is one of issue 5's targets, checked against this run.
@@ -99,6 +102,9 @@ func checkGoals(r *Results) []Goal {
 			add("peak RSS draining", "≤ 64 MiB", fmt.Sprintf("%.1f MiB (%d events)", one.MaxRSSMiB, one.Events), one.MaxRSSMiB <= 64)
 		}
 	}
+	if r.Rates != nil {
+		g = append(g, rateGoals(r.Rates)...)
+	}
 	for _, c := range r.Producer {
 		if c.Variant != variantShipped || c.Clients < 8 || c.State == "none" {
 			continue
@@ -141,6 +147,9 @@ func markdown(r *Results) string {
 		}
 		b.WriteString("\n")
 	}
+	if r.Rates != nil {
+		ratesMarkdown(&b, r.Rates)
+	}
 	if r.Drain != nil {
 		fmt.Fprintf(&b, "## Drain of %d events\n\n", r.Drain.N)
 		b.WriteString("| what | batch | events/s | s to last handoff | × raw River | peak RSS MiB | CPU s / 100k |\n|---|--:|--:|--:|--:|--:|--:|\n")
@@ -161,6 +170,14 @@ func markdown(r *Results) string {
 		b.WriteString("\nWhat the dispatchers' backends were doing (pg_stat_activity samples every 10 ms, active backends):\n\n")
 		for _, d := range r.Drain.Runs {
 			fmt.Fprintf(&b, "- %d × outboxd (concurrency %d), batch %d: %s\n", d.Dispatchers, d.Concurrency, d.Batch, strings.Join(d.WaitEvents, ", "))
+		}
+		b.WriteString("\n")
+	}
+	if len(r.Scheduled) > 0 {
+		b.WriteString("## Claim of due events beside events scheduled for tomorrow (ms)\n\n")
+		b.WriteString("| scheduled backlog | batch of due events p50 | p99 | empty pass p50 | p99 | rounds |\n|--:|--:|--:|--:|--:|--:|\n")
+		for _, sr := range r.Scheduled {
+			fmt.Fprintf(&b, "| %d | %.2f | %.2f | %.2f | %.2f | %d |\n", sr.Backlog, sr.Batch.P50, sr.Batch.P99, sr.Empty.P50, sr.Empty.P99, sr.Batch.Count)
 		}
 		b.WriteString("\n")
 	}
@@ -222,4 +239,94 @@ func firstWords(s string, n int) string {
 		f = f[:n]
 	}
 	return strings.Join(f, " ")
+}
+
+// ratesMarkdown writes the latency-versus-rate table and its attribution.
+func ratesMarkdown(b *strings.Builder, r *RateResults) {
+	fmt.Fprintf(b, "## Latency versus offered rate, %s per rate and mode (ms)\n\n", r.Duration)
+	fmt.Fprintf(b, "Kept up: %s. Latencies count from the producer's commit; a producer that lags its schedule is shown by its lag p99.\n\n", r.KeepUpRule)
+	b.WriteString("| rate (ev/s) | mode | achieved ev/s | producer lag p99 | drain s | kept up | handoff p50 / p99 / p99.9 | end to end p50 / p99 / p99.9 |\n|--:|---|--:|--:|--:|---|--:|--:|\n")
+	trio := func(s *Summary) string {
+		if s == nil {
+			return "–"
+		}
+		return fmt.Sprintf("%.2f / %.2f / %.2f", s.P50, s.P99, s.P999)
+	}
+	for _, run := range r.Runs {
+		if run.Skipped != "" {
+			fmt.Fprintf(b, "| %d | %s | | | | not run: %s | | |\n", run.Rate, run.Mode, run.Skipped)
+			continue
+		}
+		lag := "–"
+		if run.ProducerLag != nil {
+			lag = fmt.Sprintf("%.2f", run.ProducerLag.P99)
+		}
+		drain := "did not drain"
+		if run.DrainSeconds >= 0 {
+			drain = fmt.Sprintf("%.2f", run.DrainSeconds)
+		}
+		kept := "yes"
+		if !run.KeptUp {
+			kept = "**no**"
+		}
+		achieved := fmt.Sprintf("%.0f", run.Achieved)
+		if run.NotSent > 0 {
+			achieved += fmt.Sprintf(" (%d not sent)", run.NotSent)
+		}
+		fmt.Fprintf(b, "| %d | %s | %s | %s | %s | %s | %s | %s |\n", run.Rate, run.Mode, achieved, lag, drain, kept, trio(run.Handoff), trio(run.EndToEnd))
+	}
+	b.WriteString("\n")
+	for _, n := range r.Notes {
+		fmt.Fprintf(b, "- %s\n", n)
+	}
+	peers := map[string]bool{}
+	for _, run := range r.Runs {
+		if run.Peer != "" && !peers[run.Peer] {
+			peers[run.Peer] = true
+			fmt.Fprintf(b, "- peer: %s\n", run.Peer)
+		}
+	}
+	if len(r.Notes) > 0 || len(peers) > 0 {
+		b.WriteString("\n")
+	}
+	b.WriteString("### Where the end-to-end time goes (p50 / p99, ms)\n\n")
+	b.WriteString("commit→claim: producer commit to the River job's created_at (the dispatcher's claim transaction began); claim→handoff: to the dispatcher's commit; handoff→fetch: to the job's attempted_at (River's fetch; river-direct and Graphile Worker: from the producer's commit); fetch→work: to the worker's start. Segments that mix the database's clock with the process's are taken on the wall clock.\n\n")
+	names := []string{segClaim, segHandoff, segFetch, segWork}
+	b.WriteString("| rate (ev/s) | mode | " + strings.Join(names, " | ") + " |\n|--:|---|--:|--:|--:|--:|\n")
+	for _, run := range r.Runs {
+		if run.Skipped != "" || len(run.Segments) == 0 {
+			continue
+		}
+		cells := make([]string, len(names))
+		for i, n := range names {
+			cells[i] = "–"
+			for _, s := range run.Segments {
+				if s.Name == n {
+					cells[i] = fmt.Sprintf("%.2f / %.2f", s.P50, s.P99)
+				}
+			}
+		}
+		fmt.Fprintf(b, "| %d | %s | %s |\n", run.Rate, run.Mode, strings.Join(cells, " | "))
+	}
+	b.WriteString("\n")
+	waits := false
+	for _, run := range r.Runs {
+		if len(run.Waits) == 0 {
+			continue
+		}
+		if !waits {
+			b.WriteString("What the backends were doing while the events flowed (pg_stat_activity samples every 20 ms, active backends by role):\n\n")
+			waits = true
+		}
+		var roles []string
+		for _, role := range []string{"producers", "dispatcher", "workers", "graphile"} {
+			if w := run.Waits[role]; len(w) > 0 {
+				roles = append(roles, role+": "+strings.Join(w, ", "))
+			}
+		}
+		fmt.Fprintf(b, "- %d ev/s, %s: %s\n", run.Rate, run.Mode, strings.Join(roles, "; "))
+	}
+	if waits {
+		b.WriteString("\n")
+	}
 }

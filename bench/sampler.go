@@ -65,6 +65,11 @@ GROUP BY 1`, appLike)
 func (s *waitSampler) stop() []string {
 	s.cancel()
 	<-s.done
+	return s.top()
+}
+
+// top returns the top events as "event 42%" strings.
+func (s *waitSampler) top() []string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	type kv struct {
@@ -82,6 +87,78 @@ func (s *waitSampler) stop() []string {
 			break
 		}
 		out = append(out, fmt.Sprintf("%s %.0f%%", strings.TrimSpace(e.k), 100*float64(e.n)/float64(max(s.total, 1))))
+	}
+	return out
+}
+
+// roleSampler is a waitSampler per role: one query every interval counts
+// the active backends of the bench database by application_name, and
+// roles maps an application_name to the role it counts for (names not
+// in it are ignored).
+type roleSampler struct {
+	cancel context.CancelFunc
+	done   chan struct{}
+	roles  map[string]string
+	mu     sync.Mutex
+	by     map[string]*waitSampler
+}
+
+func startRoleSampler(ctx context.Context, p *pgxpool.Pool, interval time.Duration, roles map[string]string) *roleSampler {
+	ctx, cancel := context.WithCancel(ctx)
+	s := &roleSampler{cancel: cancel, done: make(chan struct{}), roles: roles, by: map[string]*waitSampler{}}
+	for _, r := range roles {
+		s.by[r] = &waitSampler{counts: map[string]int{}}
+	}
+	go func() {
+		defer close(s.done)
+		t := time.NewTicker(interval)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			rows, err := p.Query(ctx, `
+SELECT application_name, coalesce(wait_event_type || ':' || wait_event, 'CPU'), count(*)
+FROM pg_stat_activity
+WHERE datname = current_database() AND state = 'active' AND pid <> pg_backend_pid()
+GROUP BY 1, 2`)
+			if err != nil {
+				continue
+			}
+			s.mu.Lock()
+			for rows.Next() {
+				var app, k string
+				var n int
+				if rows.Scan(&app, &k, &n) != nil {
+					continue
+				}
+				if w := s.by[s.roles[app]]; w != nil {
+					w.counts[k] += n
+					w.total += n
+				}
+			}
+			s.mu.Unlock()
+			rows.Close()
+		}
+	}()
+	return s
+}
+
+// stop ends sampling and returns each role's top events (roles never seen
+// active are left out).
+func (s *roleSampler) stop() map[string][]string {
+	s.cancel()
+	<-s.done
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := map[string][]string{}
+	for r, w := range s.by {
+		if w.total == 0 {
+			continue
+		}
+		out[r] = w.top()
 	}
 	return out
 }

@@ -136,20 +136,15 @@ func failover(t *testing.T, mode string) {
 	if err := check.QueryRow(ctx, `SELECT coalesce(max(id), 0), count(*) FILTER (WHERE status = 'pending') FROM outbox_event`).Scan(&watermark, &pendingAtPromotion); err != nil {
 		t.Fatal(err)
 	}
-	resumed := false
-	for time.Since(promotedAt) < 30*time.Second && d.alive() {
+	pgtest.WaitFor(t, 30*time.Second-time.Since(promotedAt), "handoff to resume on the promoted node (30 s after the promotion)", func() bool {
+		if !d.alive() {
+			t.Fatalf("outboxd exited before the handoff resumed on the promoted node; outboxd:\n%s", tail(d.out.String(), 12000))
+		}
 		var n int
 		err := check.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE id > $1 AND status = 'done'`, watermark).Scan(&n)
-		if err == nil && n > 0 {
-			resumed = true
-			break
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return err == nil && n > 0
+	})
 	resumeAfter := time.Since(promotedAt)
-	if !resumed {
-		t.Fatalf("handoff did not resume on the promoted node within 30 s (alive=%v); outboxd:\n%s", d.alive(), tail(d.out.String(), 12000))
-	}
 	t.Logf("handoff resumed %s after the promotion", resumeAfter.Round(time.Millisecond))
 
 	// Keep publishing on the new primary for a while, then stop.

@@ -21,6 +21,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/internal/pgtest"
 	"github.com/outboxhq/outbox/internal/proctest"
 )
 
@@ -132,6 +133,9 @@ func startDaemon(t testing.TB, env []string) *daemon {
 	t.Cleanup(func() {
 		_ = d.cmd.Process.Kill()
 		<-d.exited
+		if t.Failed() {
+			t.Logf("outboxd (pid %d) output, last 3000 bytes:\n%s", d.cmd.Process.Pid, tail(d.out.String(), 3000))
+		}
 	})
 	return d
 }
@@ -168,16 +172,20 @@ func (d *daemon) stop(timeout time.Duration) int {
 	return 0
 }
 
-// waitLog waits until the daemon's output contains want.
+// waitLog waits until the daemon's output contains want (a daemon that
+// exits first fails the test at once; a timeout is logged with the output
+// by startDaemon's cleanup).
 func (d *daemon) waitLog(t testing.TB, want string, timeout time.Duration) {
 	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !strings.Contains(d.out.String(), want) {
-		if time.Now().After(deadline) || !d.alive() {
-			t.Fatalf("outboxd never logged %q (alive=%v):\n%s", want, d.alive(), tail(d.out.String(), 3000))
+	pgtest.WaitFor(t, timeout, fmt.Sprintf("outboxd to log %q", want), func() bool {
+		if strings.Contains(d.out.String(), want) {
+			return true
 		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		if !d.alive() {
+			t.Fatalf("outboxd exited before it logged %q:\n%s", want, tail(d.out.String(), 3000))
+		}
+		return false
+	})
 }
 
 func tail(s string, n int) string {

@@ -1,6 +1,9 @@
 package listener_test
 
 import (
+	"context"
+	"log/slog"
+	"strings"
 	"testing"
 	"time"
 
@@ -31,12 +34,7 @@ func TestListenerLeavesReadOnlyNode(t *testing.T) {
 		Payload:        s.Name,
 		PingInterval:   100 * time.Millisecond,
 		ReconnectDelay: 50 * time.Millisecond,
-		OnStateChange: func(up bool) {
-			select {
-			case states <- up:
-			default:
-			}
-		},
+		Logger:         slog.New(stateLog{states}),
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -56,4 +54,30 @@ func TestListenerLeavesReadOnlyNode(t *testing.T) {
 			t.Fatalf("state change %d (connected=%v) did not come: the listener stays on a read-only node", i, w)
 		}
 	}
+}
+
+// stateLog reads the listener's connection state from its log: true for
+// every "connected", false for every "disconnected" (the listener logs
+// each state change once).
+type stateLog struct{ states chan<- bool }
+
+func (stateLog) Enabled(context.Context, slog.Level) bool { return true }
+func (h stateLog) WithAttrs([]slog.Attr) slog.Handler     { return h }
+func (h stateLog) WithGroup(string) slog.Handler          { return h }
+
+func (h stateLog) Handle(_ context.Context, r slog.Record) error {
+	var up bool
+	switch {
+	case r.Message == "outbox listener connected":
+		up = true
+	case strings.HasPrefix(r.Message, "outbox listener disconnected"):
+		up = false
+	default:
+		return nil
+	}
+	select {
+	case h.states <- up:
+	default:
+	}
+	return nil
 }

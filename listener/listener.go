@@ -31,11 +31,12 @@ import (
 	"github.com/outboxhq/outbox/internal/service"
 )
 
-// Channel is the notification channel of the wake trigger.
-const Channel = "outbox_wake"
+// channel is the notification channel of the wake trigger (outbox_wake,
+// migration 001).
+const channel = "outbox_wake"
 
-// PingChannel carries the listener's heartbeat.
-const PingChannel = "outbox_wake_ping"
+// pingChannel carries the listener's heartbeat.
+const pingChannel = "outbox_wake_ping"
 
 // Config configures a Listener.
 type Config struct {
@@ -53,11 +54,10 @@ type Config struct {
 	// PingInterval is the heartbeat period; a connection is declared dead
 	// after three intervals without a pong. 0 means 2 s.
 	PingInterval time.Duration
-	// Logger; nil discards.
+	// Logger; nil discards. Every (re)connect is logged at info level
+	// ("outbox listener connected") and every disconnect, outside Stop, at
+	// warn level ("outbox listener disconnected; ...").
 	Logger *slog.Logger
-	// OnStateChange, if set, is called with true on every (re)connect and
-	// false on every disconnect. It must not block.
-	OnStateChange func(connected bool)
 }
 
 // Listener turns wake notifications into a coalesced signal.
@@ -116,12 +116,9 @@ func (l *Listener) setConnected(v bool) {
 		return
 	}
 	if v {
-		l.cfg.Logger.Info("outbox listener connected", slog.String("channel", Channel))
+		l.cfg.Logger.Info("outbox listener connected", slog.String("channel", channel))
 	} else if !l.stopping.Load() {
 		l.cfg.Logger.Warn("outbox listener disconnected; falling back to polling until it reconnects")
-	}
-	if l.cfg.OnStateChange != nil {
-		l.cfg.OnStateChange(v)
 	}
 	l.signal()
 }
@@ -222,8 +219,8 @@ func (l *Listener) listenOnce(ctx context.Context) {
 		},
 		ReconnectDelay: l.cfg.ReconnectDelay,
 	}
-	pl.Handle(Channel, handler{l})
-	pl.Handle(PingChannel, pingHandler{l})
+	pl.Handle(channel, handler{l})
+	pl.Handle(pingChannel, pingHandler{l})
 
 	done := make(chan struct{})
 	go func() {
@@ -255,7 +252,7 @@ func (l *Listener) listenOnce(ctx context.Context) {
 				return
 			}
 			pctx, pcancel := context.WithTimeout(ctx, l.cfg.PingInterval)
-			_, err := l.cfg.Pool.Exec(pctx, `SELECT pg_notify($1, $2)`, PingChannel, l.token)
+			_, err := l.cfg.Pool.Exec(pctx, `SELECT pg_notify($1, $2)`, pingChannel, l.token)
 			pcancel()
 			if err != nil && ctx.Err() == nil {
 				l.cfg.Logger.Warn("outbox listener heartbeat failed", slog.String("error", fmt.Sprint(err)))

@@ -199,7 +199,9 @@ type dbCollector struct{ m *Metrics }
 
 var (
 	descPending     = prometheus.NewDesc("outbox_pending_events", "Pending events (due or scheduled later).", nil, nil)
-	descDue         = prometheus.NewDesc("outbox_pending_due_events", "Pending events that are due now.", nil, nil)
+	descDue         = prometheus.NewDesc("outbox_pending_due_events", "Pending events that are due now (the dispatcher's backlog).", nil, nil)
+	descScheduled   = prometheus.NewDesc("outbox_pending_scheduled_events", "Pending events not due yet (a NotBefore in the future, or a retry's backoff): waiting on purpose, not a backlog.", nil, nil)
+	descNextDue     = prometheus.NewDesc("outbox_next_scheduled_due_seconds", "Seconds until the earliest scheduled pending event is due (0 when none).", nil, nil)
 	descBehind      = prometheus.NewDesc("outbox_pending_due_over_60s_events", "Pending events due for more than 60 s (the dispatcher is behind).", nil, nil)
 	descOldest      = prometheus.NewDesc("outbox_oldest_pending_age_seconds", "Age of the oldest due pending event, since it became due (0 when none).", nil, nil)
 	descFailedNow   = prometheus.NewDesc("outbox_failed_events", "Events in status failed (waiting for an operator).", nil, nil)
@@ -209,18 +211,24 @@ var (
 
 // gaugesSQL reads every table gauge in one statement; each FILTER is over
 // rows the partial indexes (claim, processing, dead) hold, never done rows.
+// Pending events are split at now(): due ones are the dispatcher's backlog,
+// scheduled ones (published with a NotBefore, or waiting out a retry's
+// backoff) are waiting on purpose. Counting the scheduled ones reads every
+// pending row, like the pending count always did: about 25 ms per 100,000.
 const gaugesSQL = `
 SELECT count(*) FILTER (WHERE status = 'pending'),
        count(*) FILTER (WHERE status = 'pending' AND scheduled_at <= now()),
        count(*) FILTER (WHERE status = 'pending' AND scheduled_at <= now() - interval '60 seconds'),
        coalesce(extract(epoch FROM now() - min(scheduled_at) FILTER (WHERE status = 'pending' AND scheduled_at <= now())), 0)::float8,
        count(*) FILTER (WHERE status = 'failed'),
-       count(*) FILTER (WHERE status = 'processing')
+       count(*) FILTER (WHERE status = 'processing'),
+       count(*) FILTER (WHERE status = 'pending' AND scheduled_at > now()),
+       coalesce(extract(epoch FROM min(scheduled_at) FILTER (WHERE status = 'pending' AND scheduled_at > now()) - now()), 0)::float8
 FROM outbox_event
 WHERE status IN ('pending', 'processing', 'failed')`
 
 func (c *dbCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descPending, descDue, descBehind, descOldest, descFailedNow, descProcessing, descScrapeError} {
+	for _, d := range []*prometheus.Desc{descPending, descDue, descScheduled, descNextDue, descBehind, descOldest, descFailedNow, descProcessing, descScrapeError} {
 		ch <- d
 	}
 }
@@ -232,9 +240,9 @@ func (c *dbCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), c.m.cfg.QueryTimeout)
 	defer cancel()
-	var pending, due, behind, failed, processing int64
-	var oldest float64
-	err := pool.QueryRow(ctx, gaugesSQL).Scan(&pending, &due, &behind, &oldest, &failed, &processing)
+	var pending, due, behind, failed, processing, scheduled int64
+	var oldest, nextDue float64
+	err := pool.QueryRow(ctx, gaugesSQL).Scan(&pending, &due, &behind, &oldest, &failed, &processing, &scheduled, &nextDue)
 	if err != nil {
 		ch <- prometheus.MustNewConstMetric(descScrapeError, prometheus.GaugeValue, 0)
 		return
@@ -242,6 +250,8 @@ func (c *dbCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descScrapeError, prometheus.GaugeValue, 1)
 	ch <- prometheus.MustNewConstMetric(descPending, prometheus.GaugeValue, float64(pending))
 	ch <- prometheus.MustNewConstMetric(descDue, prometheus.GaugeValue, float64(due))
+	ch <- prometheus.MustNewConstMetric(descScheduled, prometheus.GaugeValue, float64(scheduled))
+	ch <- prometheus.MustNewConstMetric(descNextDue, prometheus.GaugeValue, nextDue)
 	ch <- prometheus.MustNewConstMetric(descBehind, prometheus.GaugeValue, float64(behind))
 	ch <- prometheus.MustNewConstMetric(descOldest, prometheus.GaugeValue, oldest)
 	ch <- prometheus.MustNewConstMetric(descFailedNow, prometheus.GaugeValue, float64(failed))

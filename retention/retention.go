@@ -125,7 +125,7 @@ const deleteBatchSQL = `SELECT outbox_purge_done($1, $2)`
 
 // purgeReceiptsSQL deletes one batch of expired receipts through
 // outbox_purge_receipts (migration 007; the statement is
-// outboxriver.PurgeReceiptsSQL), so the operator needs no DELETE on
+// the one outboxriver.PurgeReceipts runs), so the operator needs no DELETE on
 // outbox_receipt.
 const purgeReceiptsSQL = `SELECT outbox_purge_receipts($1)`
 

@@ -246,7 +246,7 @@ func TestRunDoesNotBlockDispatcher(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	pgtest.WaitFor(t, 30*time.Second, "the events handed off while a retention batch is open (retention must not block the dispatcher)", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "the dispatcher to hand off every event while a retention batch is open (else retention blocks it)", func() bool {
 		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'pending'`) == 0
 	})
 	close(release)

@@ -20,11 +20,12 @@
 //
 // PurgeReceipts deletes receipts after their TTL.
 //
-// The queue groups: QueuesConfig builds a River client config for a set
-// of queues (per-queue MaxWorkers, FetchCooldown, FetchPollInterval) with
-// the outbox's low-latency defaults; ParseQueues and ParseGroups read the
-// OUTBOX_WORKER_QUEUES and OUTBOX_WORKER_GROUPS syntax; UnworkedQueues,
-// UnroutedQueues and ActiveQueues compare groups with routes.
+// The workers' River client: QueuesConfig builds a River client config for
+// a set of queues (per-queue MaxWorkers, FetchCooldown, FetchPollInterval)
+// with the outbox's low-latency defaults, and GroupClientID names the
+// client after its group, host and process. (outboxd reads the same queues
+// from OUTBOX_WORKER_QUEUES and OUTBOX_WORKER_GROUPS; that syntax belongs to
+// its configuration, not to this package.)
 //
 // See docs/receivers.md for a worked example and the guarantees.
 //

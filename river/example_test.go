@@ -69,10 +69,7 @@ func ExampleNewWorker() {
 	workers := river.NewWorkers()
 	river.AddWorker(workers, outboxriver.NewWorker(hs, outboxriver.WorkerOptions{}))
 
-	queues, err := outboxriver.ParseQueues("outbox_mail:20,outbox_webhook")
-	if err != nil {
-		panic(err)
-	}
+	queues := []outboxriver.Queue{{Name: "outbox_mail", MaxWorkers: 20}, {Name: "outbox_webhook"}}
 	cfg := outboxriver.QueuesConfig(workers, queues, outboxriver.WorkerLatency{})
 	cfg.ID = outboxriver.GroupClientID("mail")
 	client, err := river.NewClient(riverpgxv5.New(pool), cfg)
@@ -135,21 +132,6 @@ func ExampleWithClaim() {
 		return nil
 	}
 	_ = outboxriver.HandlerFunc(handler)
-}
-
-func ExampleUnworkedQueues() {
-	routes, _ := route.New([]route.Rule{
-		{Prefix: "mail.", Queues: []string{"outbox_mail"}},
-		{Prefix: "workflow.", Queues: []string{"outbox_workflow"}},
-		{Prefix: "search.index.", Queues: []string{"outbox_search-index"}},
-	})
-	groups, _ := outboxriver.ParseGroups("general=outbox_workflow;mail=outbox_mail:20,outbox_webhook")
-	fmt.Println("routed, worked by no group:", outboxriver.UnworkedQueues(routes, groups))
-	mail, _ := outboxriver.FindGroup(groups, "mail")
-	fmt.Println("worked by mail, routed by nothing:", outboxriver.UnroutedQueues(routes, mail.Queues))
-	// Output:
-	// routed, worked by no group: [outbox_search-index]
-	// worked by mail, routed by nothing: [outbox_webhook]
 }
 
 func ExampleJobParams() {

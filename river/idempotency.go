@@ -273,21 +273,12 @@ func WithClaim[T any](ctx context.Context, pool *pgxpool.Pool, r Receiver, ev Ev
 	return result, false, merr
 }
 
-// PurgeReceiptsSQL deletes up to $1 receipts and claims whose TTL has
+// purgeReceiptsSQL deletes up to $1 receipts and claims whose TTL has
 // passed, oldest first. An expired row no longer suppresses anything, so
 // deleting it changes no outcome. SKIP LOCKED lets several purgers (and a
 // WithClaim taking over an expired row) run at once; the CTE locks exactly
-// the rows it deletes. Run it until it deletes fewer than $1 rows:
-//
-//	WITH expired AS (
-//	    SELECT receiver, event_id FROM outbox_receipt
-//	    WHERE expires_at < now()
-//	    ORDER BY expires_at
-//	    LIMIT $1
-//	    FOR UPDATE SKIP LOCKED)
-//	DELETE FROM outbox_receipt r USING expired e
-//	WHERE r.receiver = e.receiver AND r.event_id = e.event_id
-const PurgeReceiptsSQL = `
+// the rows it deletes. docs/receivers.md shows it for purging from SQL.
+const purgeReceiptsSQL = `
 WITH expired AS (
     SELECT receiver, event_id FROM outbox_receipt
     WHERE expires_at < now()
@@ -304,13 +295,15 @@ type Execer interface {
 }
 
 // PurgeReceipts deletes one batch of at most limit expired receipts and
-// claims (PurgeReceiptsSQL) and returns how many it deleted. Call it until
-// it returns fewer than limit. limit < 1 means 1000.
+// claims, oldest first, and returns how many it deleted. An expired row no
+// longer suppresses anything, so deleting it changes no outcome; several
+// purgers may run at once (they skip each other's rows). Call it until it
+// returns fewer than limit. limit < 1 means 1000.
 func PurgeReceipts(ctx context.Context, db Execer, limit int) (int64, error) {
 	if limit < 1 {
 		limit = 1000
 	}
-	tag, err := db.Exec(ctx, PurgeReceiptsSQL, limit)
+	tag, err := db.Exec(ctx, purgeReceiptsSQL, limit)
 	if err != nil {
 		return 0, fmt.Errorf("outboxriver: purge receipts: %w", err)
 	}

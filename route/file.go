@@ -222,7 +222,7 @@ func parseShapeKey(j *Job, k, v *yaml.Node) (bool, error) {
 		if v.Kind != yaml.ScalarNode {
 			return true, fmt.Errorf("line %d: kind must be a string, the kind of your River worker's args", v.Line)
 		}
-		if err := ValidateKind(v.Value); err != nil {
+		if err := validateKind(v.Value); err != nil {
 			return true, fmt.Errorf("line %d: %w", v.Line, err)
 		}
 		j.Kind = v.Value
@@ -230,7 +230,7 @@ func parseShapeKey(j *Job, k, v *yaml.Node) (bool, error) {
 		if v.Kind != yaml.ScalarNode || v.Value == "" {
 			return true, fmt.Errorf("line %d: args must be envelope or payload", v.Line)
 		}
-		if err := ValidateArgs(Args(v.Value)); err != nil {
+		if err := validateArgs(Args(v.Value)); err != nil {
 			return true, fmt.Errorf("line %d: %w", v.Line, err)
 		}
 		j.Args = Args(v.Value)
@@ -239,16 +239,16 @@ func parseShapeKey(j *Job, k, v *yaml.Node) (bool, error) {
 		if err != nil {
 			return true, err
 		}
-		if err := ValidatePriority(p); err != nil {
+		if err := validatePriority(p); err != nil {
 			return true, fmt.Errorf("line %d: %w", v.Line, err)
 		}
 		j.Priority = p
 	case "max_attempts":
-		m, err := intValue(v, "max_attempts", fmt.Sprintf("1 to %d", MaxMaxAttempts))
+		m, err := intValue(v, "max_attempts", fmt.Sprintf("1 to %d", maxMaxAttempts))
 		if err != nil {
 			return true, err
 		}
-		if err := ValidateMaxAttempts(m); err != nil {
+		if err := validateMaxAttempts(m); err != nil {
 			return true, fmt.Errorf("line %d: %w", v.Line, err)
 		}
 		j.MaxAttempts = m
@@ -261,7 +261,7 @@ func parseShapeKey(j *Job, k, v *yaml.Node) (bool, error) {
 			if t.Kind != yaml.ScalarNode {
 				return true, fmt.Errorf("line %d: each tag must be a string", t.Line)
 			}
-			if err := ValidateTag(t.Value); err != nil {
+			if err := validateTag(t.Value); err != nil {
 				return true, fmt.Errorf("line %d: %w", t.Line, err)
 			}
 			j.Tags = append(j.Tags, t.Value)

@@ -24,7 +24,7 @@ type Job struct {
 	// Priority is River's priority, 1 (highest) to 4 (lowest). 0 means
 	// River's default, 1.
 	Priority int
-	// MaxAttempts is the most attempts River makes, 1 to MaxMaxAttempts. 0
+	// MaxAttempts is the most attempts River makes, 1 to 32767. 0
 	// means the inserting client's default (River's is 25).
 	MaxAttempts int
 	// Tags are River job tags: each 3 to 255 characters of [A-Za-z0-9_]
@@ -54,16 +54,16 @@ const DefaultKind = "outbox_event"
 
 // River's limits on job shape (github.com/riverqueue/river v0.51).
 const (
-	// MaxKindLength is the longest kind, in characters: river_job has
+	// maxKindLength is the longest kind, in characters: river_job has
 	// CHECK (char_length(kind) < 128).
-	MaxKindLength = 127
-	// MaxTagLength is the longest tag (River refuses longer ones at insert).
-	MaxTagLength = 255
-	// MaxMaxAttempts is the largest max_attempts: river_job.max_attempts is
+	maxKindLength = 127
+	// maxTagLength is the longest tag (River refuses longer ones at insert).
+	maxTagLength = 255
+	// maxMaxAttempts is the largest max_attempts: river_job.max_attempts is
 	// a smallint.
-	MaxMaxAttempts = 32767
-	// MinPriority and MaxPriority bound River's priority (1 is the highest).
-	MinPriority, MaxPriority = 1, 4
+	maxMaxAttempts = 32767
+	// minPriority and maxPriority bound River's priority (1 is the highest).
+	minPriority, maxPriority = 1, 4
 )
 
 var (
@@ -78,17 +78,17 @@ var (
 	tagReplaceChars = regexp.MustCompile(`[^\w\-]+`)
 )
 
-// ValidateKind returns an error, with a suggested fix, when River would
+// validateKind returns an error, with a suggested fix, when River would
 // refuse kind as a job kind.
-func ValidateKind(kind string) error {
+func validateKind(kind string) error {
 	switch n := utf8.RuneCountInString(kind); {
 	case kind == "":
 		return errors.New("kind is empty: leave it out for the default " + DefaultKind + ", or give your worker's kind")
-	case n > MaxKindLength:
-		return fmt.Errorf("kind %q is %d characters, River allows at most %d", kind, n, MaxKindLength)
+	case n > maxKindLength:
+		return fmt.Errorf("kind %q is %d characters, River allows at most %d", kind, n, maxKindLength)
 	case !kindPattern.MatchString(kind):
 		msg := fmt.Sprintf("kind %q is not valid for River: use at least two characters, a letter, digit or '_' first, then letters, digits and _ - [ ] < > / . · : + (no spaces or commas)", kind)
-		if s := strings.Trim(kindReplaceChar.ReplaceAllString(kind, "_"), "_"); s != "" && s != kind && kindPattern.MatchString(s) && utf8.RuneCountInString(s) <= MaxKindLength {
+		if s := strings.Trim(kindReplaceChar.ReplaceAllString(kind, "_"), "_"); s != "" && s != kind && kindPattern.MatchString(s) && utf8.RuneCountInString(s) <= maxKindLength {
 			msg += fmt.Sprintf("; try %q", s)
 		}
 		return errors.New(msg)
@@ -96,14 +96,14 @@ func ValidateKind(kind string) error {
 	return nil
 }
 
-// ValidateTag returns an error, with a suggested fix, when River would
+// validateTag returns an error, with a suggested fix, when River would
 // refuse tag.
-func ValidateTag(tag string) error {
+func validateTag(tag string) error {
 	switch {
-	case len(tag) > MaxTagLength:
-		return fmt.Errorf("tag %q is %d characters, River allows at most %d", tag, len(tag), MaxTagLength)
+	case len(tag) > maxTagLength:
+		return fmt.Errorf("tag %q is %d characters, River allows at most %d", tag, len(tag), maxTagLength)
 	case !tagPattern.MatchString(tag):
-		msg := fmt.Sprintf("tag %q is not valid for River: use 3 to %d of the characters A-Z a-z 0-9 _ with '-' only inside (no dots, spaces or commas)", tag, MaxTagLength)
+		msg := fmt.Sprintf("tag %q is not valid for River: use 3 to %d of the characters A-Z a-z 0-9 _ with '-' only inside (no dots, spaces or commas)", tag, maxTagLength)
 		if s := strings.Trim(tagReplaceChars.ReplaceAllString(tag, "_"), "_-"); s != tag && tagPattern.MatchString(s) {
 			msg += fmt.Sprintf("; try %q", s)
 		}
@@ -112,8 +112,8 @@ func ValidateTag(tag string) error {
 	return nil
 }
 
-// ValidateArgs checks an args shape ("" is the default, envelope).
-func ValidateArgs(a Args) error {
+// validateArgs checks an args shape ("" is the default, envelope).
+func validateArgs(a Args) error {
 	switch a {
 	case "", ArgsEnvelope, ArgsPayload:
 		return nil
@@ -122,18 +122,18 @@ func ValidateArgs(a Args) error {
 	}
 }
 
-// ValidatePriority checks a priority given explicitly (0 is not).
-func ValidatePriority(p int) error {
-	if p < MinPriority || p > MaxPriority {
+// validatePriority checks a priority given explicitly (0 is not).
+func validatePriority(p int) error {
+	if p < minPriority || p > maxPriority {
 		return fmt.Errorf("priority %d is out of range: River's priorities are 1 (highest) to 4 (lowest); leave it out for 1", p)
 	}
 	return nil
 }
 
-// ValidateMaxAttempts checks a max_attempts given explicitly (0 is not).
-func ValidateMaxAttempts(n int) error {
-	if n < 1 || n > MaxMaxAttempts {
-		return fmt.Errorf("max_attempts %d is out of range: give 1 to %d; leave it out for the client's default (River's is 25)", n, MaxMaxAttempts)
+// validateMaxAttempts checks a max_attempts given explicitly (0 is not).
+func validateMaxAttempts(n int) error {
+	if n < 1 || n > maxMaxAttempts {
+		return fmt.Errorf("max_attempts %d is out of range: give 1 to %d; leave it out for the client's default (River's is 25)", n, maxMaxAttempts)
 	}
 	return nil
 }
@@ -144,30 +144,30 @@ func (j *Job) normalize() []error {
 	var errs []error
 	if j.Kind == "" {
 		j.Kind = DefaultKind
-	} else if err := ValidateKind(j.Kind); err != nil {
+	} else if err := validateKind(j.Kind); err != nil {
 		errs = append(errs, err)
 	}
 	if j.Args == "" {
 		j.Args = ArgsEnvelope
 	}
-	if err := ValidateArgs(j.Args); err != nil {
+	if err := validateArgs(j.Args); err != nil {
 		errs = append(errs, err)
 	}
 	if j.Args == ArgsPayload && j.Kind == DefaultKind {
 		errs = append(errs, fmt.Errorf("args: payload needs the kind of the worker that decodes the payload (kind: send_invoice_email, say): kind %s is the envelope's, whose worker (outboxriver.Worker) decodes outboxriver.EventArgs; for that worker, leave args out", DefaultKind))
 	}
 	if j.Priority != 0 {
-		if err := ValidatePriority(j.Priority); err != nil {
+		if err := validatePriority(j.Priority); err != nil {
 			errs = append(errs, err)
 		}
 	}
 	if j.MaxAttempts != 0 {
-		if err := ValidateMaxAttempts(j.MaxAttempts); err != nil {
+		if err := validateMaxAttempts(j.MaxAttempts); err != nil {
 			errs = append(errs, err)
 		}
 	}
 	for _, t := range j.Tags {
-		if err := ValidateTag(t); err != nil {
+		if err := validateTag(t); err != nil {
 			errs = append(errs, err)
 		}
 	}

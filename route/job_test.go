@@ -190,13 +190,18 @@ func TestJobShapeErrors(t *testing.T) {
 
 func TestValidKindsAndTags(t *testing.T) {
 	t.Parallel()
+	job := func(j route.Job) error {
+		j.Queue = "outbox_mail"
+		_, err := route.New([]route.Rule{{Prefix: "mail.", Jobs: []route.Job{j}}})
+		return err
+	}
 	for _, k := range []string{"outbox_event", "send_invoice_email", "ab", "Billing.Invoice:v2", "a/b[c]<d>+e-f", strings.Repeat("k", 127)} {
-		if err := route.ValidateKind(k); err != nil {
+		if err := job(route.Job{Kind: k}); err != nil {
 			t.Errorf("kind %q: %v", k, err)
 		}
 	}
 	for _, tag := range []string{"abc", "billing", "Refund_Mail", "a-b", "x-y-z", strings.Repeat("t", 255)} {
-		if err := route.ValidateTag(tag); err != nil {
+		if err := job(route.Job{Tags: []string{tag}}); err != nil {
 			t.Errorf("tag %q: %v", tag, err)
 		}
 	}

@@ -48,8 +48,8 @@ type Table struct {
 	rules []Rule
 }
 
-// MaxQueueNameLength is River's limit on queue names.
-const MaxQueueNameLength = 64
+// maxQueueNameLength is River's limit on queue names.
+const maxQueueNameLength = 64
 
 var (
 	queueNamePattern  = regexp.MustCompile(`^[a-z0-9]+([_-][a-z0-9]+)*$`)
@@ -63,11 +63,11 @@ func ValidateQueueName(name string) error {
 	switch {
 	case name == "":
 		return errors.New("queue name is empty")
-	case len(name) > MaxQueueNameLength:
-		return fmt.Errorf("queue name %q is %d characters, River allows at most %d", name, len(name), MaxQueueNameLength)
+	case len(name) > maxQueueNameLength:
+		return fmt.Errorf("queue name %q is %d characters, River allows at most %d", name, len(name), maxQueueNameLength)
 	case !queueNamePattern.MatchString(name):
 		msg := fmt.Sprintf("queue name %q is not valid for River: use lowercase letters and digits separated by single '_' or '-' (no dots)", name)
-		if s := SuggestQueueName(name); s != "" && s != name {
+		if s := suggestQueueName(name); s != "" && s != name {
 			msg += fmt.Sprintf("; try %q", s)
 		}
 		return errors.New(msg)
@@ -75,13 +75,13 @@ func ValidateQueueName(name string) error {
 	return nil
 }
 
-// SuggestQueueName turns an invalid queue name into a valid one where it
+// suggestQueueName turns an invalid queue name into a valid one where it
 // can ("outbox.mail" → "outbox_mail").
-func SuggestQueueName(name string) string {
+func suggestQueueName(name string) string {
 	s := queueReplaceChars.ReplaceAllString(strings.ToLower(name), "_")
 	s = strings.Trim(s, "_")
-	if len(s) > MaxQueueNameLength {
-		s = strings.TrimRight(s[:MaxQueueNameLength], "_")
+	if len(s) > maxQueueNameLength {
+		s = strings.TrimRight(s[:maxQueueNameLength], "_")
 	}
 	if !queueNamePattern.MatchString(s) {
 		return ""

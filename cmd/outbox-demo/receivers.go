@@ -20,6 +20,7 @@ import (
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 
+	"github.com/outboxhq/outbox/internal/config"
 	outboxriver "github.com/outboxhq/outbox/river"
 )
 
@@ -133,11 +134,11 @@ func runReceivers() error {
 	defer stop()
 	logger := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 
-	groups, err := outboxriver.ParseGroups(os.Getenv("OUTBOX_WORKER_GROUPS"))
+	groups, err := config.ParseGroups(os.Getenv("OUTBOX_WORKER_GROUPS"))
 	if err != nil {
 		return fmt.Errorf("OUTBOX_WORKER_GROUPS: %w", err)
 	}
-	group, ok := outboxriver.FindGroup(groups, os.Getenv("OUTBOX_WORKER_GROUP"))
+	group, ok := config.FindGroup(groups, os.Getenv("OUTBOX_WORKER_GROUP"))
 	if !ok {
 		return fmt.Errorf("OUTBOX_WORKER_GROUP=%q is not in OUTBOX_WORKER_GROUPS", os.Getenv("OUTBOX_WORKER_GROUP"))
 	}

@@ -210,5 +210,6 @@ func init() {
 	register("stats", "counts by status, dispatcher lag, River jobs per queue, alerts: [--check] [--stalled-after D] [--routes F] [--worked-queues Q,...]", runStats)
 	register("retention", "purge old done events now: run [--dry-run] [--hours N] [--batch-size N]", runRetention)
 	register("audit", "list recorded operator actions, newest first: [--limit N] [--action A] [--since T]", runAudit)
+	register("routes", "sync the routes file into the database for strict routing at publish: sync --routes F [--strict on|off] [--dry-run] [--actor A]", runRoutes)
 	register("explain", "what happened to one event: its row, matching routes, River jobs and receipts: <event-id> [--routes F]", runExplain)
 }

@@ -12,8 +12,8 @@ import (
 	"time"
 
 	"github.com/outboxhq/outbox/admin"
+	"github.com/outboxhq/outbox/internal/config"
 	"github.com/outboxhq/outbox/internal/filter"
-	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
 )
 
@@ -66,7 +66,7 @@ func runStats(ctx context.Context, c *cli, args []string) error {
 	// queues River workers have reported recently in river_queue.
 	if opts.WorkedQueues == nil && opts.Routes != nil {
 		if spec := os.Getenv("OUTBOX_WORKER_GROUPS"); strings.TrimSpace(spec) != "" {
-			groups, err := outboxriver.ParseGroups(spec)
+			groups, err := config.ParseGroups(spec)
 			if err != nil {
 				return usagef("OUTBOX_WORKER_GROUPS: %v", err)
 			}

@@ -146,6 +146,7 @@ func run() int {
 		logger.Info("alerts go to Sentry", slog.Bool("include_payload", cfg.SentryIncludePayload))
 	}
 	alerter := m.Alerter(base)
+	warnRoutesDrift(ctx, pool, routes, logger, alerter) // routesdrift.go
 
 	var d *dispatcher.Dispatcher
 	if cfg.DispatcherEnabled {

@@ -42,11 +42,12 @@ func daemon(t *testing.T, env ...string) (*exec.Cmd, *proctest.SyncBuffer) {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	// Registered last, so it runs first: the log of a failed test, as far
+	// as the daemon got.
 	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
 		if t.Failed() {
-			t.Logf("outboxd log:\n%s", out.String())
+			t.Logf("outboxd (pid %d) output:\n%s", cmd.Process.Pid, out.String())
 		}
 	})
 	return cmd, out
@@ -72,9 +73,13 @@ func waitExit(t *testing.T, cmd *exec.Cmd, d time.Duration) int {
 	return -1
 }
 
+// waitLog waits for want in the daemon's output (daemon logs the output
+// of a failed test).
 func waitLog(t *testing.T, out *proctest.SyncBuffer, want string) {
 	t.Helper()
-	pgtest.WaitFor(t, 30*time.Second, fmt.Sprintf("the log to say %q", want), func() bool { return strings.Contains(out.String(), want) })
+	pgtest.WaitFor(t, 30*time.Second, fmt.Sprintf("outboxd to log %q", want), func() bool {
+		return strings.Contains(out.String(), want)
+	})
 }
 
 func TestBadConfigStopsAtStartup(t *testing.T) {
@@ -196,7 +201,8 @@ func TestDispatchesAndStopsCleanly(t *testing.T) {
 		t.Fatal(err)
 	}
 	var queue string
-	pgtest.WaitFor(t, 5*time.Second, "the event dispatched (poll interval 10 s)", func() bool {
+	// 5 s, half the poll interval: the wake, not the poll, hands it off.
+	pgtest.WaitFor(t, 5*time.Second, "the event to be handed off on the wake (poll interval 10 s)", func() bool {
 		var status string
 		err := s.Pool.QueryRow(ctx, `SELECT e.status::text, coalesce(j.queue, '') FROM outbox_event e LEFT JOIN river_job j ON j.id = e.river_job_ids[1] WHERE e.id = $1`, id).Scan(&status, &queue)
 		if err != nil {
@@ -248,11 +254,11 @@ func TestKill9DuringDrainLosesAndDuplicatesNothing(t *testing.T) {
 		}
 		return d
 	}
-	pgtest.WaitFor(t, 60*time.Second, "the drain to start", func() bool { return done() >= n/10 })
+	pgtest.WaitFor(t, 60*time.Second, "the drain to start (a tenth of the events done)", func() bool { return done() >= n/10 })
 	if err := victim.Process.Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
-	pgtest.WaitFor(t, 120*time.Second, "every event done after the kill", func() bool { return done() == n })
+	pgtest.WaitFor(t, 120*time.Second, fmt.Sprintf("the survivor to finish the drain (%d events done)", n), func() bool { return done() >= n })
 	var jobs, dups, orphans int
 	if err := s.Pool.QueryRow(ctx, `SELECT
 		(SELECT count(*) FROM river_job),

@@ -47,8 +47,14 @@ func TestDaemonServesMetricsAndRunsRetention(t *testing.T) {
 		b, _ := io.ReadAll(resp.Body)
 		return resp.StatusCode, string(b)
 	}
-	pgtest.WaitFor(t, 30*time.Second, "metrics showing 3 dispatched and 30 purged", func() bool {
-		_, body := get("/metrics")
+	var body string
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("last /metrics:\n%s", body)
+		}
+	})
+	pgtest.WaitFor(t, 30*time.Second, "/metrics to show 3 dispatched and 30 purged", func() bool {
+		_, body = get("/metrics")
 		return strings.Contains(body, `outbox_events_dispatched_total{route="billing."} 3`) &&
 			strings.Contains(body, "outbox_retention_deleted_total 30")
 	})

@@ -173,17 +173,17 @@ func (w *workerGroup) Start(ctx context.Context) error {
 }
 
 // checkQueues warns about queues that routes and groups disagree on.
-func checkQueues(cfg *config.Config, group outboxriver.Group, routes *route.Table, logger *slog.Logger) {
+func checkQueues(cfg *config.Config, group config.Group, routes *route.Table, logger *slog.Logger) {
 	if routes == nil {
 		logger.Info("OUTBOX_ROUTES_FILE is not set: cannot check that the worked queues are routed")
 		return
 	}
-	for _, q := range outboxriver.UnroutedQueues(routes, group.Queues) {
+	for _, q := range config.UnroutedQueues(routes, group.Queues) {
 		logger.Warn("this process works a queue that no route targets: its workers will wait for jobs the dispatcher never creates (a typo, or a removed route?)",
 			slog.String("queue", q), slog.String("routes_file", cfg.RoutesFile))
 	}
 	if declared := cfg.WorkerGroupsDeclared(); cfg.WorkerGroups != "" {
-		if unworked := outboxriver.UnworkedQueues(routes, declared); len(unworked) > 0 {
+		if unworked := config.UnworkedQueues(routes, declared); len(unworked) > 0 {
 			logger.Warn("routed queues that no group of OUTBOX_WORKER_GROUPS works: their jobs will pile up",
 				slog.String("queues", strings.Join(unworked, ",")))
 		}

@@ -62,7 +62,7 @@ func TestTwoGroupsWorkOnlyTheirQueues(t *testing.T) {
 			}
 		}
 	}
-	pgtest.WaitFor(t, 60*time.Second, "20 jobs completed", func() bool {
+	pgtest.WaitFor(t, 60*time.Second, "the 20 jobs to complete", func() bool {
 		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state = 'completed'`) == 20
 	})
 	rows, err := s.Pool.Query(ctx, `SELECT queue, attempted_by[1] FROM river_job ORDER BY id`)

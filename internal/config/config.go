@@ -1,6 +1,12 @@
 // Package config reads outboxd's and outboxctl's settings from the
 // environment with envconfig. Every variable has a documented default, and a
 // bad value is an error that names the variable.
+//
+// It also owns the syntax of the worker variables (ParseQueues,
+// ParseGroups for OUTBOX_WORKER_QUEUES and OUTBOX_WORKER_GROUPS) and the
+// checks of groups against routes (UnworkedQueues, UnroutedQueues) and
+// against the queues River clients report working (ActiveQueues), which
+// outboxd runs at start-up and `outboxctl stats` reports.
 package config
 
 import (

@@ -16,10 +16,10 @@ import (
 // in OUTBOX_WORKER_GROUPS (the same value for all processes) lets
 // `outboxctl stats` report routed queues that no group works.
 type Workers struct {
-	// WorkerQueues: "outbox_mail:20,outbox_webhook" (outboxriver.ParseQueues).
+	// WorkerQueues: "outbox_mail:20,outbox_webhook" (ParseQueues).
 	WorkerQueues string `envconfig:"OUTBOX_WORKER_QUEUES"`
 	// WorkerGroups: "general=outbox_workflow;mail=outbox_mail:20,outbox_webhook"
-	// (outboxriver.ParseGroups).
+	// (ParseGroups).
 	WorkerGroups string `envconfig:"OUTBOX_WORKER_GROUPS"`
 	// WorkerGroup names this process's group in WorkerGroups.
 	WorkerGroup string `envconfig:"OUTBOX_WORKER_GROUP"`
@@ -29,8 +29,8 @@ type Workers struct {
 	// package outboxriver in your service for that).
 	WorkerHandler string `envconfig:"OUTBOX_WORKER_HANDLER"`
 
-	groups []outboxriver.Group
-	group  outboxriver.Group
+	groups []Group
+	group  Group
 }
 
 // BuiltinHandlerLog is the only built-in handler.
@@ -38,11 +38,11 @@ const BuiltinHandlerLog = "log"
 
 // WorkerGroupsDeclared returns the groups of OUTBOX_WORKER_GROUPS, or the
 // single group of OUTBOX_WORKER_QUEUES, after Validate.
-func (w *Workers) WorkerGroupsDeclared() []outboxriver.Group { return w.groups }
+func (w *Workers) WorkerGroupsDeclared() []Group { return w.groups }
 
 // Worked returns this process's worker group, and false when it works no
 // queue. Valid after Validate.
-func (w *Workers) Worked() (outboxriver.Group, bool) {
+func (w *Workers) Worked() (Group, bool) {
 	return w.group, len(w.group.Queues) > 0
 }
 
@@ -59,19 +59,19 @@ func (c *Config) WorkerLatency() outboxriver.WorkerLatency {
 // validateWorkers parses the worker variables; each error names one.
 func (c *Config) validateWorkers() []error {
 	w := &c.Workers
-	w.groups, w.group = nil, outboxriver.Group{}
+	w.groups, w.group = nil, Group{}
 	var errs []error
 	switch {
 	case w.WorkerQueues != "" && w.WorkerGroup != "":
 		errs = append(errs, errors.New("configuration: set OUTBOX_WORKER_QUEUES or OUTBOX_WORKER_GROUP (with OUTBOX_WORKER_GROUPS), not both"))
 	case w.WorkerQueues != "":
-		qs, err := outboxriver.ParseQueues(w.WorkerQueues)
+		qs, err := ParseQueues(w.WorkerQueues)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("configuration: OUTBOX_WORKER_QUEUES: %w", err))
 			break
 		}
-		w.group = outboxriver.Group{Name: "workers", Queues: qs}
-		w.groups = []outboxriver.Group{w.group}
+		w.group = Group{Name: "workers", Queues: qs}
+		w.groups = []Group{w.group}
 		if w.WorkerGroups != "" {
 			errs = append(errs, errors.New("configuration: OUTBOX_WORKER_QUEUES and OUTBOX_WORKER_GROUPS are both set: declare the groups in OUTBOX_WORKER_GROUPS and pick this process's with OUTBOX_WORKER_GROUP"))
 		}
@@ -80,14 +80,14 @@ func (c *Config) validateWorkers() []error {
 			errs = append(errs, fmt.Errorf("configuration: OUTBOX_WORKER_GROUP=%q needs OUTBOX_WORKER_GROUPS, e.g. general=outbox_workflow;mail=outbox_mail,outbox_webhook", w.WorkerGroup))
 			break
 		}
-		groups, err := outboxriver.ParseGroups(w.WorkerGroups)
+		groups, err := ParseGroups(w.WorkerGroups)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("configuration: OUTBOX_WORKER_GROUPS: %w", err))
 			break
 		}
 		w.groups = groups
 		if w.WorkerGroup != "" {
-			g, ok := outboxriver.FindGroup(groups, w.WorkerGroup)
+			g, ok := FindGroup(groups, w.WorkerGroup)
 			if !ok {
 				names := make([]string, len(groups))
 				for i, g := range groups {

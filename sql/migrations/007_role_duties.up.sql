@@ -198,57 +198,36 @@ BEGIN
     -- The change. c locks exactly the rows it returns (SKIP LOCKED leaves a
     -- row a dispatcher holds); u changes them unless this is a dry run. A
     -- data-modifying CTE always runs, whether or not the outer query reads it.
-    IF p_action = 'requeue' THEN
-        -- Back to pending with the full retry budget, due now, unlocked, not
-        -- processed; last_error stays. The wake trigger fires at commit.
-        WITH c AS (
-            SELECT e.id, e.status::text AS old_status FROM outbox_event e
-            WHERE (p_ids IS NULL OR e.id = ANY(p_ids))
-              AND (p_type_prefix IS NULL OR starts_with(e.event_type, p_type_prefix))
-              AND (p_tenant_id IS NULL OR e.tenant_id = p_tenant_id)
-              AND (p_since IS NULL OR e.created_at >= p_since)
-              AND (p_until IS NULL OR e.created_at < p_until)
-              AND (p_error_contains IS NULL OR strpos(e.last_error, p_error_contains) > 0)
-              AND e.status::text = ANY(v_statuses)
-              AND (e.status <> 'processing' OR e.locked_until IS NULL OR e.locked_until < now())
-            ORDER BY e.id
-            LIMIT p_max_events
-            FOR UPDATE SKIP LOCKED
-        ), u AS (
-            UPDATE outbox_event e
-            SET status = 'pending', retries = 0, scheduled_at = now(), locked_until = NULL, processed_at = NULL
-            FROM c WHERE e.id = c.id AND NOT p_dry_run
-            RETURNING e.id
-        )
-        SELECT coalesce(array_agg(c.id ORDER BY c.id), '{}'),
-               coalesce((SELECT jsonb_object_agg(s, n) FROM (SELECT old_status AS s, count(*) AS n FROM c GROUP BY 1) x), '{}')
-        INTO v_ids, v_from
-        FROM c;
-    ELSE
-        WITH c AS (
-            SELECT e.id, e.status::text AS old_status FROM outbox_event e
-            WHERE (p_ids IS NULL OR e.id = ANY(p_ids))
-              AND (p_type_prefix IS NULL OR starts_with(e.event_type, p_type_prefix))
-              AND (p_tenant_id IS NULL OR e.tenant_id = p_tenant_id)
-              AND (p_since IS NULL OR e.created_at >= p_since)
-              AND (p_until IS NULL OR e.created_at < p_until)
-              AND (p_error_contains IS NULL OR strpos(e.last_error, p_error_contains) > 0)
-              AND e.status::text = ANY(v_statuses)
-              AND (e.status <> 'processing' OR e.locked_until IS NULL OR e.locked_until < now())
-            ORDER BY e.id
-            LIMIT p_max_events
-            FOR UPDATE SKIP LOCKED
-        ), u AS (
-            UPDATE outbox_event e
-            SET status = 'cancelled', locked_until = NULL
-            FROM c WHERE e.id = c.id AND NOT p_dry_run
-            RETURNING e.id
-        )
-        SELECT coalesce(array_agg(c.id ORDER BY c.id), '{}'),
-               coalesce((SELECT jsonb_object_agg(s, n) FROM (SELECT old_status AS s, count(*) AS n FROM c GROUP BY 1) x), '{}')
-        INTO v_ids, v_from
-        FROM c;
-    END IF;
+    -- requeue: back to pending with the full retry budget, due now, unlocked,
+    -- not processed; last_error stays; the wake trigger fires at commit.
+    -- cancel: cancelled and unlocked; everything else stays.
+    WITH c AS (
+        SELECT e.id, e.status::text AS old_status FROM outbox_event e
+        WHERE (p_ids IS NULL OR e.id = ANY(p_ids))
+          AND (p_type_prefix IS NULL OR starts_with(e.event_type, p_type_prefix))
+          AND (p_tenant_id IS NULL OR e.tenant_id = p_tenant_id)
+          AND (p_since IS NULL OR e.created_at >= p_since)
+          AND (p_until IS NULL OR e.created_at < p_until)
+          AND (p_error_contains IS NULL OR strpos(e.last_error, p_error_contains) > 0)
+          AND e.status::text = ANY(v_statuses)
+          AND (e.status <> 'processing' OR e.locked_until IS NULL OR e.locked_until < now())
+        ORDER BY e.id
+        LIMIT p_max_events
+        FOR UPDATE SKIP LOCKED
+    ), u AS (
+        UPDATE outbox_event e
+        SET status       = CASE WHEN p_action = 'requeue' THEN 'pending' ELSE 'cancelled' END::outbox_status,
+            retries      = CASE WHEN p_action = 'requeue' THEN 0 ELSE e.retries END,
+            scheduled_at = CASE WHEN p_action = 'requeue' THEN now() ELSE e.scheduled_at END,
+            processed_at = CASE WHEN p_action = 'requeue' THEN NULL ELSE e.processed_at END,
+            locked_until = NULL
+        FROM c WHERE e.id = c.id AND NOT p_dry_run
+        RETURNING e.id
+    )
+    SELECT coalesce(array_agg(c.id ORDER BY c.id), '{}'),
+           coalesce((SELECT jsonb_object_agg(s, n) FROM (SELECT old_status AS s, count(*) AS n FROM c GROUP BY 1) x), '{}')
+    INTO v_ids, v_from
+    FROM c;
 
     v_affected := cardinality(v_ids);
     IF least(v_matched, p_max_events) - v_affected > 0 THEN

@@ -1,10 +1,9 @@
-package outboxriver
+package config
 
 import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"regexp"
 	"sort"
 	"strconv"
@@ -14,33 +13,16 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
 
+	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
 )
-
-// DefaultMaxWorkers is a queue's MaxWorkers when none is given.
-const DefaultMaxWorkers = 10
-
-// Queue is one River queue that a worker group works.
-type Queue struct {
-	// Name is the River queue name (the route's queue).
-	Name string
-	// MaxWorkers is the most jobs of this queue the client runs at once.
-	// 0 means DefaultMaxWorkers. River allows 1 to 10000.
-	MaxWorkers int
-	// FetchCooldown overrides the client's for this queue; 0 keeps the
-	// client's (WorkerLatency).
-	FetchCooldown time.Duration
-	// FetchPollInterval overrides the client's for this queue; 0 keeps the
-	// client's.
-	FetchPollInterval time.Duration
-}
 
 // Group is a named set of queues worked by one kind of process, for
 // example a "general" group (with the dispatcher) working outbox_workflow,
 // and a "mail" group working outbox_mail and outbox_webhook.
 type Group struct {
 	Name   string
-	Queues []Queue
+	Queues []outboxriver.Queue
 }
 
 // QueueNames returns the group's queue names in the order given.
@@ -63,9 +45,9 @@ var groupNamePattern = regexp.MustCompile(`^[a-z0-9]+([_-][a-z0-9]+)*$`)
 // number (MaxWorkers), workers=N, cooldown=DURATION (FetchCooldown) and
 // poll=DURATION (FetchPollInterval), durations as Go writes them ("5ms",
 // "1s"). Spaces around items are ignored. A queue listed twice is an error.
-func ParseQueues(spec string) ([]Queue, error) {
+func ParseQueues(spec string) ([]outboxriver.Queue, error) {
 	var (
-		out  []Queue
+		out  []outboxriver.Queue
 		errs []error
 		seen = map[string]bool{}
 	)
@@ -92,9 +74,9 @@ func ParseQueues(spec string) ([]Queue, error) {
 	return out, nil
 }
 
-func parseQueue(item string) (Queue, error) {
+func parseQueue(item string) (outboxriver.Queue, error) {
 	parts := strings.Split(item, ":")
-	q := Queue{Name: strings.TrimSpace(parts[0])}
+	q := outboxriver.Queue{Name: strings.TrimSpace(parts[0])}
 	if err := route.ValidateQueueName(q.Name); err != nil {
 		return q, fmt.Errorf("%q: %w", item, err)
 	}
@@ -194,46 +176,9 @@ func FindGroup(groups []Group, name string) (Group, bool) {
 	return Group{}, false
 }
 
-// QueuesConfig returns a River client config that works queues with
-// workers, using the outbox's latency defaults (WorkerLatency) for the
-// client and each Queue's overrides. Callers may set further fields (Logger,
-// ErrorHandler, ID, ...) before river.NewClient.
-func QueuesConfig(workers *river.Workers, queues []Queue, lat WorkerLatency) *river.Config {
-	lat = lat.withDefaults()
-	qs := make(map[string]river.QueueConfig, len(queues))
-	for _, q := range queues {
-		n := q.MaxWorkers
-		if n == 0 {
-			n = DefaultMaxWorkers
-		}
-		qc := river.QueueConfig{MaxWorkers: n, FetchCooldown: q.FetchCooldown, FetchPollInterval: q.FetchPollInterval}
-		// River refuses a poll interval below the cooldown; a queue that
-		// only lowers its poll interval, or only raises its cooldown, is
-		// kept consistent here.
-		cooldown := q.FetchCooldown
-		if cooldown == 0 {
-			cooldown = lat.FetchCooldown
-		}
-		poll := q.FetchPollInterval
-		if poll == 0 {
-			poll = lat.FetchPollInterval
-		}
-		if poll < cooldown {
-			qc.FetchPollInterval = cooldown
-		}
-		qs[q.Name] = qc
-	}
-	return &river.Config{
-		FetchCooldown:     lat.FetchCooldown,
-		FetchPollInterval: lat.FetchPollInterval,
-		Queues:            qs,
-		Workers:           workers,
-	}
-}
-
 // UnworkedQueues returns the queues that routes target and that no group
 // works, sorted: events routed there become River jobs that nothing runs.
-// `outboxctl stats` reports them.
+// outboxd warns about them at start-up and `outboxctl stats` reports them.
 func UnworkedQueues(routes *route.Table, groups []Group) []string {
 	worked := map[string]bool{}
 	for _, g := range groups {
@@ -254,7 +199,7 @@ func UnworkedQueues(routes *route.Table, groups []Group) []string {
 // the order given: a worker there waits for jobs the dispatcher never
 // creates (a typo, or a route that was removed). outboxd warns about them
 // at start-up.
-func UnroutedQueues(routes *route.Table, queues []Queue) []string {
+func UnroutedQueues(routes *route.Table, queues []outboxriver.Queue) []string {
 	routed := map[string]bool{}
 	for _, q := range routes.AllQueues() {
 		routed[q] = true
@@ -274,11 +219,11 @@ type Querier interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 }
 
-// ActiveQueuesSQL lists the queues that a running River client works:
+// activeQueuesSQL lists the queues that a running River client works:
 // River's producers upsert their queue into river_queue when they start
 // and every 10 minutes after (QueueReportInterval), and skip paused queues'
 // work.
-const ActiveQueuesSQL = `
+const activeQueuesSQL = `
 SELECT name FROM river_queue
 WHERE updated_at > now() - make_interval(secs => $1) AND paused_at IS NULL
 ORDER BY name`
@@ -290,37 +235,20 @@ const DefaultActiveWithin = 20 * time.Minute
 // ActiveQueues returns, sorted, the queues some River client reported
 // working within the last within (0 means DefaultActiveWithin) and that are
 // not paused. A client that stopped less than 10 minutes ago may still be
-// listed. Compare with routes.AllQueues() to find routed queues that
-// nothing works right now.
+// listed. `outboxctl stats` compares them with routes.AllQueues() when no
+// OUTBOX_WORKER_GROUPS declares the groups.
 func ActiveQueues(ctx context.Context, db Querier, within time.Duration) ([]string, error) {
 	if within <= 0 {
 		within = DefaultActiveWithin
 	}
-	rows, err := db.Query(ctx, ActiveQueuesSQL, within.Seconds())
+	rows, err := db.Query(ctx, activeQueuesSQL, within.Seconds())
 	if err != nil {
-		return nil, fmt.Errorf("outboxriver: read river_queue: %w", err)
+		return nil, fmt.Errorf("read river_queue: %w", err)
 	}
 	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if err != nil {
-		return nil, fmt.Errorf("outboxriver: read river_queue: %w", err)
+		return nil, fmt.Errorf("read river_queue: %w", err)
 	}
 	sort.Strings(names)
 	return names, nil
-}
-
-// GroupClientID returns a River client ID that names the group, the host
-// and the process, "<group>_<host>_<pid>", at most 100 characters (River's
-// limit). River records it in each job's attempted_by, so a job shows
-// which group and process ran it (`outboxctl explain`).
-func GroupClientID(group string) string {
-	host, _ := os.Hostname()
-	if host == "" {
-		host = "unknown_host"
-	}
-	host = strings.NewReplacer(".", "_", "-", "_").Replace(host)
-	id := fmt.Sprintf("%s_%s_%d", group, host, os.Getpid())
-	if len(id) > 100 {
-		id = fmt.Sprintf("%s_%d", group[:min(len(group), 60)], os.Getpid())
-	}
-	return id
 }

@@ -1,0 +1,58 @@
+package metrics_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/internal/pgtest"
+	"github.com/outboxhq/outbox/metrics"
+)
+
+// TestScheduledApartFromBacklog: events published with a NotBefore in the
+// future count as scheduled, not as due backlog, in ReadBacklog (what
+// outboxctl stats reads) and in the /metrics gauges; an event due for more
+// than a minute counts as behind.
+func TestScheduledApartFromBacklog(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 2})
+	ctx := pgtest.Context(t, 60*time.Second)
+	in := time.Now().Add(time.Hour)
+	ids := pgtest.Publish(t, s.Pool,
+		outbox.Event{Type: "mail.a.b"}, outbox.Event{Type: "mail.a.b"}, outbox.Event{Type: "mail.a.b"},
+		outbox.Event{Type: "mail.reminder.due", NotBefore: in},
+		outbox.Event{Type: "mail.reminder.due", NotBefore: in.Add(time.Hour)},
+		outbox.Event{Type: "mail.reminder.due", NotBefore: in.Add(24 * time.Hour)})
+	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET scheduled_at = now() - interval '2 minutes' WHERE id = $1`, ids[0]); err != nil {
+		t.Fatal(err)
+	}
+
+	b, err := metrics.ReadBacklog(ctx, s.Pool, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b.Due != 3 || b.DueOver != 1 || b.Scheduled != 3 || b.OldestDueAge < 2*time.Minute || b.NextDue.Sub(in).Abs() > time.Millisecond {
+		t.Fatalf("backlog %+v, want 3 due (1 over a minute, oldest >= 2m), 3 scheduled, next due at %s", b, in)
+	}
+
+	reg := prometheus.NewRegistry()
+	if err := metrics.New(metrics.Config{Pool: s.Pool}).Register(reg); err != nil {
+		t.Fatal(err)
+	}
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]float64{}
+	for _, f := range families {
+		if len(f.GetMetric()) == 1 && f.GetMetric()[0].GetGauge() != nil {
+			got[f.GetName()] = f.GetMetric()[0].GetGauge().GetValue()
+		}
+	}
+	if got["outbox_pending_events"] != 6 || got["outbox_pending_due_events"] != 3 || got["outbox_pending_scheduled_events"] != 3 ||
+		got["outbox_pending_due_over_60s_events"] != 1 || got["outbox_next_scheduled_due_seconds"] < 3000 || got["outbox_next_scheduled_due_seconds"] > 3600 {
+		t.Fatalf("gauges %v", got)
+	}
+}
