@@ -269,6 +269,8 @@ type Dispatcher struct {
 	running                                                                    atomic.Bool
 	// drainWorkers is the number of workers of the last parallel drain.
 	drainWorkers atomic.Int64
+	// published is lis once started, for readers outside Start and the loop.
+	published atomic.Pointer[listener.Listener]
 
 	mu      sync.Mutex // guards started
 	started bool
@@ -319,7 +321,10 @@ func (d *Dispatcher) Running() bool { return d.running.Load() }
 
 // ListenerConnected reports whether the LISTEN connection is up (false in
 // poll-only mode).
-func (d *Dispatcher) ListenerConnected() bool { return d.lis != nil && d.lis.Connected() }
+func (d *Dispatcher) ListenerConnected() bool {
+	lis := d.published.Load() // health checks may ask while Start runs
+	return lis != nil && lis.Connected()
+}
 
 // Start checks the schema, starts the listener (unless poll-only) and the
 // loop, and returns.
@@ -364,6 +369,7 @@ func (d *Dispatcher) Start(ctx context.Context) error {
 		if err := d.lis.Start(ctx); err != nil {
 			return err
 		}
+		d.published.Store(d.lis)
 	}
 
 	d.started = true
