@@ -177,10 +177,6 @@ FROM (SELECT to_regclass('outbox_event') AS rel) r
 LEFT JOIN pg_class c ON c.oid = r.rel
 LEFT JOIN pg_namespace n ON n.oid = c.relnamespace`
 
-// SynchronousCommitOff is the alert raised at start-up when River workers
-// may commit without flushing the WAL while the handoff does not wait for
-// its flush either (see checkSynchronousCommit).
-const SynchronousCommitOff alert.Reason = "synchronous_commit_off"
 
 // syncCommitSQL lists where synchronous_commit is off or local for sessions
 // on this database: this session (server default, database and role
@@ -232,7 +228,7 @@ func (d *Dispatcher) checkSynchronousCommit(ctx context.Context) {
 			"because handoff commits skip their own flush; set OUTBOX_DISPATCH_SYNCHRONOUS_COMMIT=true or make the workers commit with synchronous_commit=on "+
 			"(docs/architecture.md, \"Commit durability\")", f.value, f.where)
 		d.logger.Warn("outbox WARNING: "+msg, slog.String("where", f.where), slog.String("synchronous_commit", f.value))
-		d.cfg.Alerter.Alert(ctx, alert.Alert{Reason: SynchronousCommitOff, Message: msg})
+		d.cfg.Alerter.Alert(ctx, alert.Alert{Reason: alert.SynchronousCommitOff, Message: msg})
 	}
 }
 
