@@ -27,6 +27,14 @@ const (
 	// NoHandler: a River worker got an outbox job whose event type no
 	// registered handler matches; the job fails and River retries it.
 	NoHandler Reason = "no_handler"
+	// SynchronousCommitOff: at start-up, synchronous_commit is off or local
+	// for the session or a database or role default, while the handoff
+	// commits asynchronously and relies on River workers committing
+	// synchronously (docs/architecture.md, "Commit durability").
+	SynchronousCommitOff Reason = "synchronous_commit_off"
+	// RoutesOutOfSync: the routes synced into the database (outboxctl routes
+	// sync, strict routing) differ from outboxd's routes file.
+	RoutesOutOfSync Reason = "routes_out_of_sync"
 )
 
 // Alert is one alert.

@@ -8,8 +8,14 @@
 // it re-checks the table after taking the lock so that no commit slips
 // between its last pass and its sleep.
 //
+// The data path (publish, wake, claim, route, insert, done) and the loop's
+// state machine (draining, lingering, idle with the wake lock, backingOff,
+// stopping) are described step by step at the top of loop.go; a drain and
+// its concurrency controller are in drain.go.
+//
 // Start returns once the loop runs; Stop finishes the batches in flight and
-// returns (a context deadline on Stop cancels them instead).
+// returns (a context deadline on Stop cancels them instead): the start/stop
+// shape of package internal/service.
 package dispatcher
 
 import (
@@ -27,6 +33,7 @@ import (
 
 	"github.com/outboxhq/outbox/alert"
 	"github.com/outboxhq/outbox/claim"
+	"github.com/outboxhq/outbox/internal/service"
 	"github.com/outboxhq/outbox/listener"
 	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
@@ -45,9 +52,11 @@ type Config struct {
 	BatchBytes int
 	// Concurrency is the most batches in flight at once while draining; a
 	// drain starts with two and adds one while that raises its rate (see
-	// drainParallel). 0 means 10.
+	// controller). 0 means 10.
 	Concurrency int
-	// PollInterval is the fallback poll cadence. 0 means 1 s.
+	// PollInterval is the fallback poll cadence. 0 means 1 s. An idle
+	// dispatcher also wakes when the earliest pending event is due, so a
+	// delayed event does not wait for the poll.
 	PollInterval time.Duration
 	// ListenDisabled selects poll-only mode (for PgBouncer in transaction
 	// mode, where LISTEN does not work).
@@ -168,10 +177,6 @@ FROM (SELECT to_regclass('outbox_event') AS rel) r
 LEFT JOIN pg_class c ON c.oid = r.rel
 LEFT JOIN pg_namespace n ON n.oid = c.relnamespace`
 
-// SynchronousCommitOff is the alert raised at start-up when River workers
-// may commit without flushing the WAL while the handoff does not wait for
-// its flush either (see checkSynchronousCommit).
-const SynchronousCommitOff alert.Reason = "synchronous_commit_off"
 
 // syncCommitSQL lists where synchronous_commit is off or local for sessions
 // on this database: this session (server default, database and role
@@ -223,7 +228,7 @@ func (d *Dispatcher) checkSynchronousCommit(ctx context.Context) {
 			"because handoff commits skip their own flush; set OUTBOX_DISPATCH_SYNCHRONOUS_COMMIT=true or make the workers commit with synchronous_commit=on "+
 			"(docs/architecture.md, \"Commit durability\")", f.value, f.where)
 		d.logger.Warn("outbox WARNING: "+msg, slog.String("where", f.where), slog.String("synchronous_commit", f.value))
-		d.cfg.Alerter.Alert(ctx, alert.Alert{Reason: SynchronousCommitOff, Message: msg})
+		d.cfg.Alerter.Alert(ctx, alert.Alert{Reason: alert.SynchronousCommitOff, Message: msg})
 	}
 }
 
@@ -237,7 +242,10 @@ type Stats struct {
 	DeadLettered int64
 	Wakes        int64
 	Polls        int64
-	Errors       int64
+	// Due counts idle sleeps ended by the due time of the earliest
+	// pending event (a delayed event, or a retry after its backoff).
+	Due    int64
+	Errors int64
 	// DrainWorkers is the number of batches in flight the last parallel
 	// drain settled on (0 before the first).
 	DrainWorkers int64
@@ -253,19 +261,16 @@ type Dispatcher struct {
 	logger  *slog.Logger
 	schema  string
 
-	batches, events, jobs, unroutable, retried, dead, wakes, polls, errs atomic.Int64
-	running                                                              atomic.Bool
+	batches, events, jobs, unroutable, retried, dead, wakes, polls, dues, errs atomic.Int64
+	running                                                                    atomic.Bool
 	// drainWorkers is the number of workers of the last parallel drain.
 	drainWorkers atomic.Int64
-	// resume is the furthest claim position of the current drain.
-	resume atomic.Pointer[claim.Position]
+	// published is lis once started, for readers outside Start and the loop.
+	published atomic.Pointer[listener.Listener]
 
-	mu       sync.Mutex
-	started  bool
-	stop     chan struct{}
-	stopOnce sync.Once
-	hard     context.CancelFunc
-	done     chan struct{}
+	mu      sync.Mutex // guards started
+	started bool
+	life    service.Lifecycle
 }
 
 // New validates cfg and builds a Dispatcher on pool (whose search_path
@@ -302,7 +307,7 @@ func (d *Dispatcher) Stats() Stats {
 	return Stats{
 		Batches: d.batches.Load(), Events: d.events.Load(), Jobs: d.jobs.Load(),
 		Unroutable: d.unroutable.Load(), Retried: d.retried.Load(), DeadLettered: d.dead.Load(),
-		Wakes: d.wakes.Load(), Polls: d.polls.Load(), Errors: d.errs.Load(),
+		Wakes: d.wakes.Load(), Polls: d.polls.Load(), Due: d.dues.Load(), Errors: d.errs.Load(),
 		DrainWorkers: d.drainWorkers.Load(),
 	}
 }
@@ -312,7 +317,10 @@ func (d *Dispatcher) Running() bool { return d.running.Load() }
 
 // ListenerConnected reports whether the LISTEN connection is up (false in
 // poll-only mode).
-func (d *Dispatcher) ListenerConnected() bool { return d.lis != nil && d.lis.Connected() }
+func (d *Dispatcher) ListenerConnected() bool {
+	lis := d.published.Load() // health checks may ask while Start runs
+	return lis != nil && lis.Connected()
+}
 
 // Start checks the schema, starts the listener (unless poll-only) and the
 // loop, and returns.
@@ -357,19 +365,17 @@ func (d *Dispatcher) Start(ctx context.Context) error {
 		if err := d.lis.Start(ctx); err != nil {
 			return err
 		}
+		d.published.Store(d.lis)
 	}
 
 	d.started = true
-	d.stop = make(chan struct{})
-	d.done = make(chan struct{})
-	hardCtx, hard := context.WithCancel(context.WithoutCancel(ctx))
-	d.hard = hard
 	d.running.Store(true)
-	go func() {
-		defer close(d.done)
+	if err := d.life.Go(ctx, func(run, work context.Context) {
 		defer d.running.Store(false)
-		d.run(hardCtx)
-	}()
+		d.runLoop(run, work)
+	}); err != nil {
+		return fmt.Errorf("dispatcher: %w", err)
+	}
 	d.logger.Info("outbox dispatcher started",
 		slog.String("schema", d.schema),
 		slog.Bool("listen", !d.cfg.ListenDisabled),
@@ -386,302 +392,14 @@ func (d *Dispatcher) Start(ctx context.Context) error {
 // stay pending) and Stop returns ctx's error once the loop has exited.
 // Stop is idempotent.
 func (d *Dispatcher) Stop(ctx context.Context) error {
+	err := d.life.Stop(ctx)
 	d.mu.Lock()
-	started := d.started
+	lis := d.lis
 	d.mu.Unlock()
-	if !started {
-		return nil
-	}
-	d.stopOnce.Do(func() { close(d.stop) })
-	var err error
-	select {
-	case <-d.done:
-	case <-ctx.Done():
-		err = ctx.Err()
-		d.hard()
-		<-d.done
-	}
-	d.hard()
-	if d.lis != nil {
-		d.lis.Stop()
+	if lis != nil {
+		_ = lis.Stop(context.WithoutCancel(ctx))
 	}
 	return err
-}
-
-func (d *Dispatcher) stopping() bool {
-	select {
-	case <-d.stop:
-		return true
-	default:
-		return false
-	}
-}
-
-// run is the loop. ctx is cancelled only by a hard stop.
-func (d *Dispatcher) run(ctx context.Context) {
-	defer func() {
-		if d.lock != nil {
-			_ = d.lock.release(ctx)
-			d.lock.close()
-		}
-	}()
-	poll := time.NewTicker(d.cfg.PollInterval)
-	defer poll.Stop()
-
-	failures := 0
-	backoff := func(err error) {
-		d.logger.Error("outbox dispatch pass failed", slog.String("error", err.Error()))
-		failures++
-		d.errs.Add(1)
-		if failures == d.cfg.FailureAlertAfter {
-			d.cfg.Alerter.Alert(ctx, alert.Alert{
-				Reason:  alert.DispatcherFailing,
-				Message: fmt.Sprintf("the dispatch loop failed %d times in a row", failures),
-			})
-		}
-		delay := min(time.Duration(failures)*200*time.Millisecond, 5*time.Second)
-		select {
-		case <-time.After(delay):
-		case <-d.stop:
-		case <-ctx.Done():
-		}
-	}
-
-	d.rescue(ctx)
-	for !d.stopping() && ctx.Err() == nil {
-		n, err := d.drain(ctx)
-		if err != nil {
-			backoff(err)
-			continue
-		}
-		failures = 0
-
-		// Work arrived: stay busy for Linger and look again, rather than
-		// going idle at once. Going idle takes the wake lock, and while
-		// it is held (or queued for) producers pay for NOTIFY; under a
-		// steady stream that would make every producer notify. Only an
-		// empty pass sends the dispatcher to sleep.
-		if n > 0 && d.cfg.Linger > 0 {
-			select {
-			case <-time.After(d.cfg.Linger):
-			case <-d.stop:
-			case <-ctx.Done():
-			}
-			continue
-		}
-
-		// Go idle. With a live listener, take the wake lock, then re-check:
-		// rows committed by producers that skipped NOTIFY are visible now.
-		if d.lis != nil && d.lis.Connected() {
-			got, err := d.lock.acquire(ctx)
-			if err != nil {
-				d.logger.Warn("outbox wake lock unavailable; relying on polling", slog.String("error", err.Error()))
-			}
-			if got == lockProducers {
-				// Producers are committing without NOTIFY and hold the
-				// key past lock_timeout: sleeping now would miss their
-				// rows. Look for work again, then retry the lock.
-				continue
-			}
-			if got == lockHeld {
-				n, _, err := d.pass(ctx, false)
-				if err != nil || n > 0 {
-					// Work arrived: drain without the lock (busy
-					// dispatchers must not make producers notify).
-					_ = d.lock.release(ctx)
-					if err != nil {
-						backoff(err)
-					}
-					continue
-				}
-			}
-		}
-
-		select {
-		case <-d.stop:
-			return
-		case <-ctx.Done():
-			return
-		case <-d.wakeC():
-			d.wakes.Add(1)
-		case <-poll.C:
-			d.polls.Add(1)
-			d.rescue(ctx)
-		}
-	}
-}
-
-func (d *Dispatcher) wakeC() <-chan struct{} {
-	if d.lis == nil {
-		return nil
-	}
-	return d.lis.Wake()
-}
-
-// drain releases the wake lock (concurrently with the first batch) and
-// claims batches until one comes back short; when the first comes back
-// full it continues with several batches in flight (drainParallel).
-func (d *Dispatcher) drain(ctx context.Context) (int, error) {
-	var released chan struct{}
-	if d.lock != nil && d.lock.held {
-		released = make(chan struct{})
-		go func() {
-			defer close(released)
-			if err := d.lock.release(ctx); err != nil {
-				d.logger.Warn("outbox wake lock release failed", slog.String("error", err.Error()))
-			}
-		}()
-	}
-	defer func() {
-		if released != nil {
-			<-released
-		}
-	}()
-
-	// The first pass claims from the start of the claim order; the passes
-	// that continue a drain claim after the furthest position claimed so
-	// far (claim.BatchAfter), skipping the dead index entries the drain
-	// leaves behind. Whatever they skip, the next drain's first pass finds.
-	d.resume.Store(nil)
-	n, full, err := d.pass(ctx, false)
-	if err != nil || !full || d.stopping() {
-		return n, err
-	}
-	more, err := d.drainParallel(ctx)
-	return n + more, err
-}
-
-// drainParallel drains with several batches in flight. Concurrency is a
-// ceiling, not a target: what limits a drain is the database, and past its
-// knee (about its core count) more batches in flight only add lock and
-// buffer contention (docs/benchmarks.md). So it starts with two workers and
-// adds one per window while the drain rate still rises by 5 %; when an added
-// worker brings no gain it is retired and the count stays. Each worker
-// claims batches until one comes back short.
-func (d *Dispatcher) drainParallel(ctx context.Context) (int, error) {
-	var (
-		wg      sync.WaitGroup
-		errOnce sync.Once
-		first   error
-		claimed atomic.Int64
-		exited  = make(chan struct{}, d.cfg.Concurrency)
-		quits   []chan struct{}
-		active  int
-	)
-	spawn := func() {
-		quit := make(chan struct{})
-		quits = append(quits, quit)
-		active++
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			defer func() { exited <- struct{}{} }()
-			for !d.stopping() && ctx.Err() == nil {
-				select {
-				case <-quit:
-					return
-				default:
-				}
-				n, full, err := d.pass(ctx, true)
-				claimed.Add(int64(n))
-				if err != nil {
-					errOnce.Do(func() { first = err })
-					return
-				}
-				if !full {
-					return
-				}
-			}
-		}()
-	}
-	for range min(2, d.cfg.Concurrency) {
-		spawn()
-	}
-	d.drainWorkers.Store(int64(active))
-
-	tick := time.NewTicker(d.cfg.DrainWindow)
-	defer tick.Stop()
-	var (
-		last, prevRate int64
-		trial, settled bool
-	)
-	for active > 0 {
-		select {
-		case <-exited:
-			active--
-			settled = true // the backlog is running out (or a pass failed)
-		case <-tick.C:
-			cur := claimed.Load()
-			rate := cur - last
-			last = cur
-			switch {
-			case settled:
-			case trial && rate*100 < prevRate*105:
-				// The last worker added nothing: retire it, stay here.
-				close(quits[len(quits)-1])
-				quits = quits[:len(quits)-1]
-				d.drainWorkers.Store(int64(len(quits)))
-				settled = true
-			case len(quits) < d.cfg.Concurrency:
-				prevRate, trial = rate, true
-				spawn()
-				d.drainWorkers.Store(int64(len(quits)))
-			default:
-				settled = true
-			}
-		}
-	}
-	wg.Wait()
-	return int(claimed.Load()), first
-}
-
-// pass runs one batch and returns how many events it claimed and whether
-// the batch was full (by count, or cut by the byte budget with more due).
-// With resume, it claims after the furthest position claimed in this drain.
-func (d *Dispatcher) pass(ctx context.Context, resume bool) (int, bool, error) {
-	// Each transaction of the pass is bounded by BatchTimeout
-	// (claim.Handoff.Timeout), so that a batch that times out can be
-	// retried event by event to find the slow event.
-	var (
-		res claim.Result
-		err error
-	)
-	if at := d.resume.Load(); resume && at != nil {
-		res, err = d.handoff.BatchAfter(ctx, d.cfg.BatchSize, *at)
-	} else {
-		res, err = d.handoff.Batch(ctx, d.cfg.BatchSize)
-	}
-	if err != nil {
-		return 0, false, err
-	}
-	if res.Claimed > 0 {
-		for {
-			at := d.resume.Load()
-			if at != nil && !res.Last.After(*at) {
-				break
-			}
-			last := res.Last
-			if d.resume.CompareAndSwap(at, &last) {
-				break
-			}
-		}
-		d.batches.Add(1)
-		d.events.Add(int64(res.Done))
-		d.jobs.Add(int64(res.Jobs))
-		d.unroutable.Add(int64(res.Unroutable))
-		d.retried.Add(int64(res.Retried))
-		d.dead.Add(int64(res.DeadLettered + res.Broken))
-		if d.cfg.OnBatch != nil {
-			d.cfg.OnBatch(res)
-		}
-		if res.Fallback {
-			d.logger.Warn("outbox batch failed; retried event by event",
-				slog.Int("claimed", res.Claimed), slog.Int("done", res.Done),
-				slog.Int("retried", res.Retried), slog.Int("dead_lettered", res.DeadLettered),
-				slog.Int("timed_out", res.TimedOut), slog.Int("skipped", res.Skipped))
-		}
-	}
-	return res.Claimed, res.Claimed >= d.cfg.BatchSize || res.More, nil
 }
 
 func (d *Dispatcher) rescue(ctx context.Context) {

@@ -201,7 +201,16 @@ func TestNoLostWakeUnderConcurrentProducers(t *testing.T) {
 			defer wg.Done()
 			r := rand.New(rand.NewPCG(uint64(p), 7))
 			for i := range each {
-				pgtest.Publish(t, s.Pool, outbox.Event{Type: "billing.invoice.paid", Payload: json.RawMessage(fmt.Sprintf(`{"p":%d,"i":%d}`, p, i))})
+				// Not pgtest.Publish: t.Fatal must not run outside the
+				// test's goroutine. Report and stop this producer.
+				err := pgx.BeginFunc(context.Background(), s.Pool, func(tx pgx.Tx) error {
+					_, err := outbox.Publish(context.Background(), tx, outbox.Event{Type: "billing.invoice.paid", Payload: json.RawMessage(fmt.Sprintf(`{"p":%d,"i":%d}`, p, i))})
+					return err
+				})
+				if err != nil {
+					t.Errorf("producer %d, event %d: %v", p, i, err)
+					return
+				}
 				if r.IntN(4) == 0 {
 					time.Sleep(time.Duration(r.IntN(3000)) * time.Microsecond)
 				}
@@ -209,6 +218,9 @@ func TestNoLostWakeUnderConcurrentProducers(t *testing.T) {
 		}()
 	}
 	wg.Wait()
+	if t.Failed() {
+		t.FailNow()
+	}
 	pgtest.WaitFor(t, 30*time.Second, "all events handed off without polling", func() bool {
 		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'pending'`) == 0
 	})
@@ -504,4 +516,66 @@ func TestAdaptiveDrainStaysWithinConcurrency(t *testing.T) {
 			assertLedger(t, s.Pool, testRoutes(t))
 		})
 	}
+}
+
+// idleWithWakeLock reports whether an idle dispatcher holds the wake lock of
+// schema s.
+func idleWithWakeLock(t *testing.T, s *pgtest.Schema) func() bool {
+	var key int32
+	if err := s.Pool.QueryRow(context.Background(), `SELECT hashtext('outbox_wake:' || $1)`, s.Name).Scan(&key); err != nil {
+		t.Fatal(err)
+	}
+	return func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'
+			AND classid = 1868720215 AND objid = $1::int4::oid AND mode = 'ExclusiveLock' AND granted`, key) == 1
+	}
+}
+
+// TestDelayedEventHandedOffWhenDue: events inserted by a plain INSERT with
+// a future scheduled_at are handed off when due, with the poll a minute
+// away: the idle dispatcher sleeps until the earliest due time. One is
+// inserted while the dispatcher is idle holding the wake lock (its commit
+// notifies: the dispatcher wakes, finds nothing due, and sleeps again until
+// the due time), one before the dispatcher starts (its first idle reads the
+// due time). Neither is handed off before its time, and the dispatcher does
+// not spin while waiting.
+func TestDelayedEventHandedOffWhenDue(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 2*time.Minute)
+	insert := func(in time.Duration) int64 {
+		var id int64
+		if err := s.Pool.QueryRow(ctx, `INSERT INTO outbox_event (event_type, payload, scheduled_at)
+			VALUES ('mail.user.reminded', '{}', now() + make_interval(secs => $1)) RETURNING id`, in.Seconds()).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	early := insert(2 * time.Second)
+	d := start(t, s.Pool, dispatcher.Config{PollInterval: time.Minute})
+	pgtest.WaitFor(t, 30*time.Second, "the dispatcher idle, holding the wake lock", idleWithWakeLock(t, s))
+	wakes := d.Stats().Wakes
+	late := insert(3 * time.Second)
+	pgtest.WaitFor(t, 10*time.Second, "the wake of the delayed event's commit", func() bool { return d.Stats().Wakes > wakes })
+
+	// Due in 2 and 3 s; the poll would take 60 s. 10 s leaves room for a
+	// loaded machine and still fails without the due timer.
+	for _, id := range []int64{early, late} {
+		pgtest.WaitFor(t, 10*time.Second, "the delayed event handed off when due (poll is a minute away)", func() bool {
+			return status(t, s.Pool, id) == "done"
+		})
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done' AND processed_at < scheduled_at`); n != 0 {
+		t.Fatalf("%d delayed events handed off before their scheduled_at", n)
+	}
+	st := d.Stats()
+	if st.Polls != 0 {
+		t.Fatalf("stats %+v: a poll tick ran; the test must show the due timer alone", st)
+	}
+	// One sleep per due time (and one per wake); a dispatcher that polled
+	// while nothing was due would show many more.
+	if st.Due < 1 || st.Due > 4 {
+		t.Fatalf("stats %+v: %d sleeps ended by a due time, want 1..4", st, st.Due)
+	}
+	assertLedger(t, s.Pool, testRoutes(t))
 }

@@ -325,8 +325,8 @@ func TestWarnsWhenWorkersMayCommitAsynchronously(t *testing.T) {
 	if !strings.Contains(logs.String(), "level=WARN") || !strings.Contains(logs.String(), "synchronous_commit is off for this session") {
 		t.Fatalf("no warning about synchronous_commit in:\n%s", logs.String())
 	}
-	if got := al.byReason(dispatcher.SynchronousCommitOff); len(got) != 1 {
-		t.Fatalf("alerts %+v, want one %s", got, dispatcher.SynchronousCommitOff)
+	if got := al.byReason(alert.SynchronousCommitOff); len(got) != 1 {
+		t.Fatalf("alerts %+v, want one %s", got, alert.SynchronousCommitOff)
 	}
 
 	// With the handoff committing synchronously there is nothing to warn about.

@@ -3,6 +3,7 @@ package dispatcher
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -135,6 +136,23 @@ func (w *wakeLock) release(ctx context.Context) error {
 		return fmt.Errorf("wake lock: release: %w", err)
 	}
 	return nil
+}
+
+// releaseAsync gives the lock up in the background (a drain releases it
+// concurrently with its first batch) and returns a function that waits for
+// that. The wakeLock belongs to the loop goroutine: it marks the lock not
+// held at once, hands the connection to the background release, and must
+// call the returned function before it uses the wakeLock again (the
+// channel close orders the release's writes before that use).
+func (w *wakeLock) releaseAsync(ctx context.Context, logger *slog.Logger) (wait func()) {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := w.release(ctx); err != nil {
+			logger.Warn("outbox wake lock release failed", slog.String("error", err.Error()))
+		}
+	}()
+	return func() { <-done }
 }
 
 func (w *wakeLock) close() {

@@ -42,7 +42,7 @@ func TestListenerLeavesReadOnlyNode(t *testing.T) {
 	if err := l.Start(ctx); err != nil {
 		t.Fatal(err)
 	}
-	defer l.Stop()
+	defer func() { _ = l.Stop(ctx) }()
 	want := []bool{true, false, true, false} // connect, leave, connect again, leave again
 	for i, w := range want {
 		select {

@@ -20,7 +20,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -28,6 +27,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgxlisten"
+
+	"github.com/outboxhq/outbox/internal/service"
 )
 
 // channel is the notification channel of the wake trigger (outbox_wake,
@@ -69,10 +70,7 @@ type Listener struct {
 	stopping  atomic.Bool
 	lastPong  atomic.Int64 // unix nanos
 
-	mu      sync.Mutex
-	cancel  context.CancelFunc
-	done    chan struct{}
-	started bool
+	life service.Lifecycle
 }
 
 // New returns a Listener; call Start to run it.
@@ -125,35 +123,23 @@ func (l *Listener) setConnected(v bool) {
 	l.signal()
 }
 
-// Start runs the listener until Stop. It returns at once.
+// Start runs the listener until Stop and returns at once (the shape of
+// package service: the first connection is made in the background, and
+// Connected reports it).
 func (l *Listener) Start(ctx context.Context) error {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.started {
-		return errors.New("listener: already started")
+	if err := l.life.Go(ctx, func(run, _ context.Context) { l.run(run) }); err != nil {
+		return fmt.Errorf("listener: %w", err)
 	}
-	l.started = true
-	ctx, l.cancel = context.WithCancel(context.WithoutCancel(ctx))
-	l.done = make(chan struct{})
-	go func() {
-		defer close(l.done)
-		l.run(ctx)
-	}()
 	return nil
 }
 
-// Stop stops the listener and waits for its goroutines. It is idempotent.
-func (l *Listener) Stop() {
-	l.mu.Lock()
-	cancel, done := l.cancel, l.done
-	l.mu.Unlock()
-	if cancel == nil {
-		return
-	}
+// Stop stops the listener and waits for its goroutines (it has no work in
+// flight to finish: ctx only bounds the wait). It is idempotent.
+func (l *Listener) Stop(ctx context.Context) error {
 	l.stopping.Store(true)
-	cancel()
-	<-done
+	err := l.life.Stop(ctx)
 	l.connected.Store(false)
+	return err
 }
 
 // handler implements pgxlisten's Handler and BacklogHandler for the wake

@@ -24,11 +24,12 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxhq/outbox/internal/service"
 )
 
 // JobName is the job's name in outbox_job_run, in logs and in the audit.
@@ -362,11 +363,7 @@ type RunnerConfig struct {
 type Runner struct {
 	cfg  RunnerConfig
 	pool *pgxpool.Pool
-
-	mu      sync.Mutex
-	started bool
-	cancel  context.CancelFunc
-	done    chan struct{}
+	life service.Lifecycle
 }
 
 // NewRunner validates cfg.
@@ -383,35 +380,20 @@ func NewRunner(pool *pgxpool.Pool, cfg RunnerConfig) (*Runner, error) {
 	return &Runner{cfg: cfg, pool: pool}, nil
 }
 
-// Start starts the loop and returns. The first check happens at once.
+// Start starts the loop and returns (the shape of package service). The
+// first check happens at once.
 func (r *Runner) Start(ctx context.Context) error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.started {
-		return errors.New("retention: runner already started")
+	if err := r.life.Go(ctx, func(run, _ context.Context) { r.loop(run) }); err != nil {
+		return fmt.Errorf("retention: runner: %w", err)
 	}
-	r.started = true
-	ctx, r.cancel = context.WithCancel(context.WithoutCancel(ctx))
-	r.done = make(chan struct{})
-	go func() {
-		defer close(r.done)
-		r.loop(ctx)
-	}()
 	return nil
 }
 
-// Stop cancels a run in flight (after its current batch: every batch is its
-// own transaction, so the rows deleted so far stay deleted) and waits.
-// It is idempotent.
-func (r *Runner) Stop() {
-	r.mu.Lock()
-	started := r.started
-	r.mu.Unlock()
-	if !started {
-		return
-	}
-	r.cancel()
-	<-r.done
+// Stop cancels a run in flight (its current batch rolls back; every batch
+// is its own transaction, so the rows deleted before it stay deleted) and
+// waits for the loop to exit; ctx bounds the wait. It is idempotent.
+func (r *Runner) Stop(ctx context.Context) error {
+	return r.life.Stop(ctx)
 }
 
 func (r *Runner) loop(ctx context.Context) {

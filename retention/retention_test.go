@@ -285,7 +285,7 @@ func TestRunnerRunsOncePerInterval(t *testing.T) {
 	if err := r.Start(ctx); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(r.Stop)
+	t.Cleanup(func() { _ = r.Stop(context.Background()) })
 	select {
 	case res := <-runs:
 		if res.Deleted != 12 || res.Batches != 3 {
@@ -306,8 +306,15 @@ func TestRunnerRunsOncePerInterval(t *testing.T) {
 	if err != nil || res != nil {
 		t.Fatalf("RunIfDue right after a run = %+v, %v; want not due", res, err)
 	}
-	r.Stop()
-	r.Stop() // idempotent
+	if err := r.Stop(ctx); err != nil {
+		t.Fatalf("stop: %v", err)
+	}
+	if err := r.Stop(ctx); err != nil { // idempotent
+		t.Fatalf("second stop: %v", err)
+	}
+	if err := r.Start(ctx); err == nil {
+		t.Fatal("a stopped runner started again")
+	}
 }
 
 func TestConfig(t *testing.T) {

@@ -235,20 +235,9 @@ func TestDispatcherRoleDispatches(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		var left int
-		if err := s.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE status = 'pending'`).Scan(&left); err != nil {
-			t.Fatal(err)
-		}
-		if left == 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d events still pending after 60 s as outbox_dispatcher (stats %+v)", left, d.Stats())
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	pgtest.WaitFor(t, 60*time.Second, "no event pending as outbox_dispatcher", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'pending'`) == 0
+	})
 	var done, failed, jobs, dups int
 	if err := s.Pool.QueryRow(ctx, `SELECT
 		(SELECT count(*) FROM outbox_event WHERE status = 'done'),

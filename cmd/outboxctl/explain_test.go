@@ -88,20 +88,9 @@ func TestExplainShowsJobsReceiptsAndRoutes(t *testing.T) {
 		defer cancel()
 		_ = client.Stop(sctx)
 	})
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		var n int
-		if err := s.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_receipt WHERE event_id = $1`, id).Scan(&n); err != nil {
-			t.Fatal(err)
-		}
-		if n == 2 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d of 2 receipts within 60s", n)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	pgtest.WaitFor(t, 60*time.Second, "both receipts of the event", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_receipt WHERE event_id = $1`, id) == 2
+	})
 
 	code, stdout, stderr := ctl(t, s.URL, "explain", fmt.Sprint(id), "--routes", routesFile)
 	if code != 0 {

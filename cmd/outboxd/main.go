@@ -7,7 +7,8 @@
 // SIGTERM or SIGINT finishes the batches in flight and exits 0.
 //
 // It also runs the daily retention of done events (OUTBOX_RETENTION_ENABLED,
-// one instance at a time), sends alerts to Sentry when SENTRY_DSN is set,
+// one instance at a time) in every process that has a database (with the
+// dispatcher, the workers or both), sends alerts to Sentry when SENTRY_DSN is set,
 // serves /metrics, /healthz and /readyz on OUTBOX_HTTP_ADDR when set
 // (docs/operations.md), and works a River queue group when
 // OUTBOX_WORKER_QUEUES or OUTBOX_WORKER_GROUP is set, with or without the
@@ -35,6 +36,7 @@ import (
 	"github.com/outboxhq/outbox/internal/config"
 	"github.com/outboxhq/outbox/internal/dbconn"
 	"github.com/outboxhq/outbox/internal/schemacheck"
+	"github.com/outboxhq/outbox/internal/service"
 	"github.com/outboxhq/outbox/metrics"
 	"github.com/outboxhq/outbox/retention"
 	"github.com/outboxhq/outbox/route"
@@ -175,72 +177,67 @@ func run() int {
 		}()
 	}
 
-	var (
-		ret      *retention.Runner
-		watching = make(chan struct{})
-	)
-	watchCtx, stopWatch := context.WithCancel(context.Background())
+	// The long-running services, all of one start/stop shape
+	// (internal/service): started in this order, stopped in reverse, so the
+	// workers, started first, are stopped last, after the dispatcher has
+	// finished the batches in flight.
+	var services []service.Named
+	workers, err := newWorkers(pool, cfg, routes, logger, alerter) // nil without a worker group (workers.go)
+	if err != nil {
+		logger.Error("cannot start River workers", slog.String("error", dbconn.Redact(err.Error(), cfg.DatabaseURL)))
+		return 1
+	}
+	if workers != nil {
+		services = append(services, service.Named{Name: "River workers", Service: workers})
+	}
 	if d != nil {
-		if err := d.Start(ctx); err != nil {
-			stopWatch()
-			logger.Error("cannot start dispatcher", slog.String("error", dbconn.Redact(err.Error(), cfg.DatabaseURL)))
+		services = append(services, service.Named{Name: "dispatcher", Service: d})
+		if cfg.ListenEnabled {
+			services = append(services, service.Named{Name: "listener watch", Service: &listenerWatch{
+				d: d, al: alerter, after: time.Duration(cfg.ListenerAlertAfterMS) * time.Millisecond, tick: time.Second}})
+		}
+	}
+	// Retention runs in every process with a database, with or without the
+	// dispatcher (a worker-only outboxd purges too); its advisory lock makes
+	// one run at a time across all of them.
+	if cfg.RetentionEnabled {
+		host, _ := os.Hostname()
+		ret, err := retention.NewRunner(pool, retention.RunnerConfig{Config: retention.Config{
+			MaxAge:    time.Duration(cfg.DoneRetentionHours) * time.Hour,
+			BatchSize: cfg.DoneRetentionBatchSize,
+			RunBy:     fmt.Sprintf("outboxd %d@%s", os.Getpid(), host),
+			Logger:    logger,
+			OnBatch:   m.OnRetentionBatch,
+		}})
+		if err != nil {
+			logger.Error("cannot start retention", slog.String("error", err.Error()))
 			return 1
 		}
-		if cfg.ListenEnabled {
-			go func() {
-				defer close(watching)
-				watchListener(watchCtx, d, alerter, time.Duration(cfg.ListenerAlertAfterMS)*time.Millisecond, time.Second)
-			}()
-		} else {
-			close(watching)
-		}
-		if cfg.RetentionEnabled {
-			host, _ := os.Hostname()
-			ret, err = retention.NewRunner(pool, retention.RunnerConfig{Config: retention.Config{
-				MaxAge:    time.Duration(cfg.DoneRetentionHours) * time.Hour,
-				BatchSize: cfg.DoneRetentionBatchSize,
-				RunBy:     fmt.Sprintf("outboxd %d@%s", os.Getpid(), host),
-				Logger:    logger,
-				OnBatch:   m.OnRetentionBatch,
-			}})
-			if err == nil {
-				err = ret.Start(ctx)
-			}
-			if err != nil {
-				stopWatch()
-				logger.Error("cannot start retention", slog.String("error", err.Error()))
-				return 1
-			}
-		}
-	} else {
-		close(watching)
+		services = append(services, service.Named{Name: "retention", Service: ret})
 	}
-
-	workers, err := startWorkers(ctx, pool, cfg, routes, logger, alerter) // nil without a worker group (workers.go)
-	if err != nil {
-		stopWatch()
-		logger.Error("cannot start River workers", slog.String("error", dbconn.Redact(err.Error(), cfg.DatabaseURL)))
+	var running service.Group
+	if err := running.Start(ctx, services...); err != nil {
+		name := "a service"
+		var se *service.Error
+		if errors.As(err, &se) {
+			name = se.Name
+			err = se.Err
+		}
+		logger.Error("cannot start "+name, slog.String("error", dbconn.Redact(err.Error(), cfg.DatabaseURL)))
 		return 1
 	}
 
 	<-ctx.Done()
 	logger.Info("shutting down: finishing the batches and jobs in flight")
-	if ret != nil {
-		ret.Stop() // a purge in flight stops after its current batch
-	}
-	stopWatch()
-	<-watching
 	sctx, cancel := context.WithTimeout(context.Background(), time.Duration(cfg.ShutdownTimeoutMS)*time.Millisecond)
 	defer cancel()
+	if err := running.Stop(sctx); err != nil {
+		logger.Warn("shutdown did not finish cleanly (after OUTBOX_SHUTDOWN_TIMEOUT_MS, batches in flight are rolled back and stay pending, running jobs are cancelled and River retries them)",
+			slog.String("error", err.Error()))
+	}
 	var s dispatcher.Stats
 	if d != nil {
-		if err := d.Stop(sctx); err != nil && !errors.Is(err, context.Canceled) {
-			logger.Warn("shutdown timed out; batches in flight were rolled back and stay pending", slog.String("error", err.Error()))
-		}
 		s = d.Stats()
-	}
-	if err := workers.stop(sctx); err != nil {
-		logger.Warn("River workers did not stop cleanly", slog.String("error", err.Error()))
 	}
 	// What this process did: the dispatcher's figures only when it ran, the
 	// jobs its workers ran (by outcome) only when it works queues.

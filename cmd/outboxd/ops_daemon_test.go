@@ -72,3 +72,35 @@ func TestDaemonServesMetricsAndRunsRetention(t *testing.T) {
 		t.Fatalf("exit %d:\n%s", code, out.String())
 	}
 }
+
+// TestWorkerOnlyDaemonRunsRetention: an outboxd that only works queues
+// (OUTBOX_DISPATCHER_ENABLED=false) runs the retention job as well, as the
+// docs say of OUTBOX_RETENTION_ENABLED (it used to run only where the
+// dispatcher did, so a worker-only deployment never purged).
+func TestWorkerOnlyDaemonRunsRetention(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := context.Background()
+	if _, err := s.Pool.Exec(ctx, `INSERT INTO outbox_event (event_type, payload, status, processed_at)
+		SELECT 'mail.user.welcome', '{}', 'done', now() - interval '60 days' FROM generate_series(1, 12)`); err != nil {
+		t.Fatal(err)
+	}
+	cmd, out := daemon(t, "DATABASE_URL="+s.URL, "OUTBOX_WORKER_QUEUES=outbox_mail", "OUTBOX_WORKER_HANDLER=log", "OUTBOX_DONE_RETENTION_BATCH_SIZE=5", "OUTBOX_LOG_FORMAT=json")
+	waitLog(t, out, `"msg":"River workers started"`)
+	pgtest.WaitFor(t, 30*time.Second, "the worker-only outboxd's retention run recorded in outbox_job_run", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_job_run WHERE name = 'outbox-done-retention'
+			AND last_finished_at IS NOT NULL AND last_affected = 12 AND last_run_by LIKE 'outboxd %'`) == 1
+	})
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event`); n != 0 {
+		t.Fatalf("%d old done rows left after the run", n)
+	}
+	if strings.Contains(out.String(), `"msg":"outbox dispatcher started"`) {
+		t.Fatal("the dispatcher ran: the test must show a worker-only process")
+	}
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if code := waitExit(t, cmd, 30*time.Second); code != 0 {
+		t.Fatalf("exit %d", code)
+	}
+}

@@ -13,9 +13,6 @@ import (
 	"github.com/outboxhq/outbox/route"
 )
 
-// routesOutOfSync is the alert reason of warnRoutesDrift.
-const routesOutOfSync alert.Reason = "routes_out_of_sync"
-
 // warnRoutesDrift compares the routes file with the routes `outboxctl
 // routes sync` last wrote into the database (strict routing at publish,
 // docs/routes.md) and, when some were synced and they differ, logs a
@@ -60,6 +57,6 @@ func warnRoutesDrift(ctx context.Context, q routesync.Querier, routes *route.Tab
 	}
 	msg := fmt.Sprintf("the routes file (OUTBOX_ROUTES_FILE) differs from the routes synced into the database (strict routing %s): %s; run `outboxctl routes sync --routes FILE` with this file", strict, strings.Join(parts, "; "))
 	logger.Warn(msg, slog.Any("not_synced", d.Added), slog.Any("removed", d.Removed), slog.Any("changed", d.Changed), slog.Bool("strict", st.Strict))
-	al.Alert(ctx, alert.Alert{Reason: routesOutOfSync, Message: msg})
+	al.Alert(ctx, alert.Alert{Reason: alert.RoutesOutOfSync, Message: msg})
 	return true
 }

@@ -69,7 +69,7 @@ func TestRoutesDriftWarning(t *testing.T) {
 	}
 	syncRoutes(`[{"prefix": "mail.", "queues": ["outbox_other"]}, {"prefix": "audit.", "queues": ["outbox_audit"]}]`)
 	warned, log, alerts := check()
-	if !warned || len(alerts) != 1 || alerts[0].Reason != routesOutOfSync || !strings.Contains(log, "level=WARN") {
+	if !warned || len(alerts) != 1 || alerts[0].Reason != alert.RoutesOutOfSync || !strings.Contains(log, "level=WARN") {
 		t.Fatalf("drift: warned %v %q %v", warned, log, alerts)
 	}
 	for _, want := range []string{"not synced: billing.", "synced but not in the file: audit.", "other queues: mail.", "strict routing on", "outboxctl routes sync"} {

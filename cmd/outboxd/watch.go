@@ -6,7 +6,24 @@ import (
 	"time"
 
 	"github.com/outboxhq/outbox/alert"
+	"github.com/outboxhq/outbox/internal/service"
 )
+
+// listenerWatch runs watchListener as a service (internal/service).
+type listenerWatch struct {
+	d           listenerState
+	al          alert.Alerter
+	after, tick time.Duration
+	life        service.Lifecycle
+}
+
+// Start starts the watch.
+func (w *listenerWatch) Start(ctx context.Context) error {
+	return w.life.Go(ctx, func(run, _ context.Context) { watchListener(run, w.d, w.al, w.after, w.tick) })
+}
+
+// Stop stops the watch and waits for it.
+func (w *listenerWatch) Stop(ctx context.Context) error { return w.life.Stop(ctx) }
 
 // listenerState is what watchListener needs of the dispatcher.
 type listenerState interface {

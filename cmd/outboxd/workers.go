@@ -34,6 +34,8 @@ type workerGroup struct {
 	client *river.Client[pgx.Tx]
 	logger *slog.Logger
 	counts *jobCounts
+	// queues, handler and clientID are logged at start.
+	queues, handler, clientID string
 }
 
 // jobCounts are the jobs this process's workers ran, by outcome: what a
@@ -121,11 +123,11 @@ func logHandler(logger *slog.Logger) outboxriver.HandlerFunc {
 	}
 }
 
-// startWorkers starts the River client of this process's group, or returns
-// nil when it works no queue. routes may be nil (no OUTBOX_ROUTES_FILE);
-// with routes, it warns about worked queues that no route targets and
-// about routed queues that no declared group works.
-func startWorkers(ctx context.Context, pool *pgxpool.Pool, cfg *config.Config, routes *route.Table, logger *slog.Logger, alerter alert.Alerter) (*workerGroup, error) {
+// newWorkers builds the River client of this process's group, or returns
+// nil when it works no queue; Start starts it. routes may be nil (no
+// OUTBOX_ROUTES_FILE); with routes, it warns about worked queues that no
+// route targets and about routed queues that no declared group works.
+func newWorkers(pool *pgxpool.Pool, cfg *config.Config, routes *route.Table, logger *slog.Logger, alerter alert.Alerter) (*workerGroup, error) {
 	group, ok := cfg.Worked()
 	if !ok {
 		return nil, nil
@@ -148,9 +150,6 @@ func startWorkers(ctx context.Context, pool *pgxpool.Pool, cfg *config.Config, r
 	if err != nil {
 		return nil, fmt.Errorf("worker group %s: %w", group.Name, err)
 	}
-	if err := client.Start(ctx); err != nil {
-		return nil, fmt.Errorf("worker group %s: start River client: %w", group.Name, err)
-	}
 	qs := make([]string, len(group.Queues))
 	for i, q := range group.Queues {
 		n := q.MaxWorkers
@@ -159,9 +158,18 @@ func startWorkers(ctx context.Context, pool *pgxpool.Pool, cfg *config.Config, r
 		}
 		qs[i] = fmt.Sprintf("%s:%d", q.Name, n)
 	}
-	logger.Info("River workers started", slog.String("queues", strings.Join(qs, ",")),
-		slog.String("handler", cfg.WorkerHandler), slog.String("client_id", rcfg.ID))
-	return &workerGroup{name: group.Name, client: client, logger: logger, counts: counts}, nil
+	return &workerGroup{name: group.Name, client: client, logger: logger, counts: counts,
+		queues: strings.Join(qs, ","), handler: cfg.WorkerHandler, clientID: rcfg.ID}, nil
+}
+
+// Start starts the River client (the start/stop shape of internal/service).
+func (w *workerGroup) Start(ctx context.Context) error {
+	if err := w.client.Start(ctx); err != nil {
+		return fmt.Errorf("worker group %s: start River client: %w", w.name, err)
+	}
+	w.logger.Info("River workers started", slog.String("queues", w.queues),
+		slog.String("handler", w.handler), slog.String("client_id", w.clientID))
+	return nil
 }
 
 // checkQueues warns about queues that routes and groups disagree on.
@@ -182,9 +190,9 @@ func checkQueues(cfg *config.Config, group config.Group, routes *route.Table, lo
 	}
 }
 
-// stop finishes the running jobs (soft stop) until ctx ends, then cancels
+// Stop finishes the running jobs (soft stop) until ctx ends, then cancels
 // them (River retries a cancelled job). Safe on a nil group.
-func (w *workerGroup) stop(ctx context.Context) error {
+func (w *workerGroup) Stop(ctx context.Context) error {
 	if w == nil {
 		return nil
 	}

@@ -1,0 +1,227 @@
+package dispatcher
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/outboxhq/outbox/claim"
+)
+
+// drain is one drain: batches claimed back to back until one comes back
+// short, with several in flight while the controller finds that helps.
+// Each drain is a value of its own and carries its own position in claim
+// order: nothing of it outlives the drain or is shared with the next one.
+type drain struct {
+	d *Dispatcher
+	// work cancels the batches in flight (a hard stop); run ends at Stop,
+	// after which no new batch starts.
+	work, run context.Context
+
+	mu sync.Mutex
+	// at is the furthest position claimed so far (nil before the first
+	// claim). The first batch claims from the start of the claim order;
+	// the batches after it claim after at (claim.Handoff.BatchAfter),
+	// skipping the dead index entries the drain leaves behind. Whatever
+	// they skip (a late commit, a rolled-back batch), the next drain's
+	// first batch finds.
+	at *claim.Position
+}
+
+func (d *Dispatcher) newDrain(work, run context.Context) *drain {
+	return &drain{d: d, work: work, run: run}
+}
+
+// all claims one batch and, when it comes back full, goes on with several
+// batches in flight (parallel). It returns the events claimed.
+func (dr *drain) all() (int, error) {
+	n, full, err := dr.pass()
+	if err != nil || !full || dr.run.Err() != nil {
+		return n, err
+	}
+	more, err := dr.parallel()
+	return n + more, err
+}
+
+// parallel drains with the number of workers (batches in flight) the
+// controller decides, each claiming batches until one comes back short.
+func (dr *drain) parallel() (int, error) {
+	d := dr.d
+	var (
+		wg      sync.WaitGroup
+		errOnce sync.Once
+		first   error
+		claimed atomic.Int64
+		exited  = make(chan struct{}, d.cfg.Concurrency)
+		quits   []chan struct{}
+		active  int
+	)
+	spawn := func() {
+		quit := make(chan struct{})
+		quits = append(quits, quit)
+		active++
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() { exited <- struct{}{} }()
+			for dr.run.Err() == nil {
+				select {
+				case <-quit:
+					return
+				default:
+				}
+				n, full, err := dr.pass()
+				claimed.Add(int64(n))
+				if err != nil {
+					errOnce.Do(func() { first = err })
+					return
+				}
+				if !full {
+					return
+				}
+			}
+		}()
+	}
+
+	c := newController(d.cfg.Concurrency)
+	for range c.workers {
+		spawn()
+	}
+	d.drainWorkers.Store(int64(c.workers))
+	tick := time.NewTicker(d.cfg.DrainWindow)
+	defer tick.Stop()
+	var last int64
+	for active > 0 {
+		select {
+		case <-exited:
+			active--
+			c.exited()
+		case <-tick.C:
+			cur := claimed.Load()
+			switch c.sample(cur - last) {
+			case add:
+				spawn()
+			case retire:
+				close(quits[len(quits)-1])
+				quits = quits[:len(quits)-1]
+			}
+			last = cur
+			d.drainWorkers.Store(int64(c.workers))
+		}
+	}
+	wg.Wait()
+	return int(claimed.Load()), first
+}
+
+// pass runs one batch and returns how many events it claimed and whether
+// the batch was full (by count, or cut by the byte budget with more due).
+// Each transaction of the pass is bounded by BatchTimeout
+// (claim.Handoff.Timeout), so that a batch that times out can be retried
+// event by event to find the slow event.
+func (dr *drain) pass() (int, bool, error) {
+	d := dr.d
+	dr.mu.Lock()
+	at := dr.at
+	dr.mu.Unlock()
+	var (
+		res claim.Result
+		err error
+	)
+	if at != nil {
+		res, err = d.handoff.BatchAfter(dr.work, d.cfg.BatchSize, *at)
+	} else {
+		res, err = d.handoff.Batch(dr.work, d.cfg.BatchSize)
+	}
+	if err != nil {
+		return 0, false, err
+	}
+	if res.Claimed > 0 {
+		dr.mu.Lock()
+		if dr.at == nil || res.Last.After(*dr.at) {
+			last := res.Last
+			dr.at = &last
+		}
+		dr.mu.Unlock()
+		d.record(res)
+	}
+	return res.Claimed, res.Claimed >= d.cfg.BatchSize || res.More, nil
+}
+
+// record counts a batch that claimed events and reports it (OnBatch).
+func (d *Dispatcher) record(res claim.Result) {
+	d.batches.Add(1)
+	d.events.Add(int64(res.Done))
+	d.jobs.Add(int64(res.Jobs))
+	d.unroutable.Add(int64(res.Unroutable))
+	d.retried.Add(int64(res.Retried))
+	d.dead.Add(int64(res.DeadLettered + res.Broken))
+	if d.cfg.OnBatch != nil {
+		d.cfg.OnBatch(res)
+	}
+	if res.Fallback {
+		d.logger.Warn("outbox batch failed; retried event by event",
+			slog.Int("claimed", res.Claimed), slog.Int("done", res.Done),
+			slog.Int("retried", res.Retried), slog.Int("dead_lettered", res.DeadLettered),
+			slog.Int("timed_out", res.TimedOut), slog.Int("skipped", res.Skipped))
+	}
+}
+
+// decision is what the controller tells a parallel drain to do.
+type decision int
+
+const (
+	hold   decision = iota // keep the workers
+	add                    // start one more worker
+	retire                 // stop the worker added last
+)
+
+func (x decision) String() string { return [...]string{"hold", "add", "retire"}[x] }
+
+// controller decides how many batches a parallel drain keeps in flight:
+// drain rate samples in, a decision out; no clock, no goroutine, no
+// database. Concurrency is a ceiling, not a target: what limits a drain is
+// the database, and past its knee (about its core count) more batches in
+// flight only add lock and buffer contention (docs/benchmarks.md). So a
+// drain starts with two workers (one when the ceiling is 1) and, one
+// sample per DrainWindow, adds a worker while the rate still rises by at
+// least 5 % over the window before the last addition; when an added worker
+// brings less, it is retired and the count stays (settled). A worker that
+// runs out of work settles it too: the backlog is ending.
+type controller struct {
+	max     int
+	workers int
+	// prevRate is the rate of the window before the last addition; trial
+	// is true while that addition is on trial.
+	prevRate int64
+	trial    bool
+	settled  bool
+}
+
+func newController(max int) *controller {
+	return &controller{max: max, workers: min(2, max)}
+}
+
+// sample takes the events claimed in the last window and decides.
+func (c *controller) sample(rate int64) decision {
+	switch {
+	case c.settled:
+		return hold
+	case c.trial && rate*100 < c.prevRate*105:
+		c.workers--
+		c.settled = true
+		return retire
+	case c.workers < c.max:
+		c.prevRate, c.trial = rate, true
+		c.workers++
+		return add
+	default:
+		c.settled = true
+		return hold
+	}
+}
+
+// exited tells the controller that a worker found a short batch (or
+// failed): the drain is ending, so it adds and retires no more.
+func (c *controller) exited() { c.settled = true }

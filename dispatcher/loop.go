@@ -1,0 +1,291 @@
+package dispatcher
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/outboxhq/outbox/alert"
+)
+
+// The data path of one event, step by step, and where each step lives:
+//
+//  1. publish: the producer's transaction inserts a pending row into
+//     outbox_event (outbox.Publish, or outbox_publish in SQL, or a plain
+//     INSERT), due at scheduled_at (now() unless delayed).
+//  2. wake: at commit, the wake trigger (sql/migrations) tries the wake key
+//     shared and sends NOTIFY only when that fails, i.e. while an idle
+//     dispatcher holds the key (wakeLock, taken in state idle below). The
+//     listener (package listener) turns the notification into a token on
+//     its one-slot Wake channel. Idle also ends at the poll tick
+//     (PollInterval, which also rescues stale processing rows) and at the
+//     next due time (nextDueSQL), so a delayed event needs no NOTIFY.
+//  3. claim: a drain (drain.go) claims a batch with claim.Handoff.Batch and
+//     continues from its own position with BatchAfter: due pending rows in
+//     (scheduled_at, id) order, FOR UPDATE SKIP LOCKED, bounded by BatchSize
+//     and BatchBytes.
+//  4. route: in the same transaction each event's type is matched against
+//     the routes (route.Table, longest prefix wins); an event no rule
+//     matches is failed and alerted.
+//  5. insert: River's InsertManyTx inserts one job per (event, route queue),
+//     still in that transaction.
+//  6. done: the same transaction marks the events done with their job ids
+//     and commits; any failure rolls the whole batch back to pending, and
+//     claim.Handoff retries it event by event so that only the failing
+//     event is charged (backoff, then failed).
+//
+// The loop around those steps is a state machine. Each state is one method
+// of loop that does its work and returns the next state:
+//
+//	            start
+//	              │ rescue stale processing rows
+//	              ▼
+//	  ┌──────► draining ── error ──────────────► backingOff
+//	  │         │  │  ▲                              │ delay (200 ms × failures, ≤ 5 s)
+//	  │         │  │  └──────────────────────────────┘
+//	  │         │  └─ handed events off, Linger > 0 ─► lingering ─ Linger elapsed ─┐
+//	  │         │                                                                  │
+//	  │         └─ found nothing ─► idle                        draining ◄─────────┘
+//	  │                              │ take the wake lock, re-check, read the next due time
+//	  │                              ├─ re-check found work, or producers hold the key ─► draining
+//	  │                              ├─ re-check failed ─► backingOff
+//	  └── wake / poll tick / due ────┘ (sleep, holding the wake lock)
+//
+//	any state ── Stop ──► stopping: release the wake lock and return
+//
+// Only the loop goroutine runs these methods and touches loop and the
+// wakeLock; a drain's workers share only the drain value (drain.go).
+
+// state is a state of the loop.
+type state int
+
+const (
+	draining state = iota
+	lingering
+	idle
+	backingOff
+	stopping
+)
+
+func (s state) String() string {
+	return [...]string{"draining", "lingering", "idle", "backingOff", "stopping"}[s]
+}
+
+// loop is the state of the dispatch loop, owned by its goroutine.
+type loop struct {
+	d *Dispatcher
+	// run ends when Stop is called: take no new work. work ends only on a
+	// hard stop (Stop's ctx ended): it cancels the batches in flight.
+	run, work context.Context
+	poll      *time.Ticker
+	// failures counts consecutive failed passes (backoff, alert).
+	failures int
+}
+
+// runLoop runs the state machine until it reaches stopping.
+func (d *Dispatcher) runLoop(run, work context.Context) {
+	l := &loop{d: d, run: run, work: work, poll: time.NewTicker(d.cfg.PollInterval)}
+	defer l.poll.Stop()
+	d.rescue(work)
+	st := draining
+	for st != stopping {
+		if run.Err() != nil {
+			break
+		}
+		switch st {
+		case draining:
+			st = l.drain()
+		case lingering:
+			st = l.linger()
+		case idle:
+			st = l.idle()
+		case backingOff:
+			st = l.backoff()
+		default:
+			panic(fmt.Sprintf("dispatcher: unknown state %d", st))
+		}
+	}
+	l.stop()
+}
+
+// drain claims batches until one comes back short (drain.go). It releases
+// the wake lock if idle left it held, concurrently with the first batch:
+// a busy dispatcher must not make producers notify.
+func (l *loop) drain() state {
+	var wait func()
+	if l.d.lock != nil && l.d.lock.held {
+		wait = l.d.lock.releaseAsync(l.work, l.d.logger)
+	}
+	n, err := l.d.newDrain(l.work, l.run).all()
+	if wait != nil {
+		wait()
+	}
+	switch {
+	case err != nil:
+		l.fail(err)
+		return backingOff
+	case l.run.Err() != nil:
+		return stopping
+	}
+	l.failures = 0
+	// Work arrived: stay busy for Linger and look again, rather than going
+	// idle at once. Idle takes the wake lock, and while it is held (or
+	// queued for) producers pay for NOTIFY; under a steady stream that
+	// would make every producer notify. Only an empty drain goes idle.
+	if n > 0 && l.d.cfg.Linger > 0 {
+		return lingering
+	}
+	return idle
+}
+
+// linger waits Linger, then drains again.
+func (l *loop) linger() state {
+	t := time.NewTimer(l.d.cfg.Linger)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return draining
+	case <-l.run.Done():
+		return stopping
+	}
+}
+
+// idle goes to sleep until a wake, the poll tick or the next due time.
+//
+// With a live listener it first takes the wake lock (so that producers
+// committing from now on notify) and then re-checks the table: rows
+// committed by producers that skipped NOTIFY before the lock was granted
+// are visible now. The lock attempt is bounded by WakeLockTimeout; when it
+// times out, pg_locks tells who holds the key (wakeLock.acquire): another
+// idle dispatcher (sleep without the lock: producers notify, and NOTIFY
+// reaches every listener) or producers in a slow commit (do not sleep:
+// their rows and every commit after them would wait for the poll; drain
+// once more and try the lock again).
+func (l *loop) idle() state {
+	d := l.d
+	if d.lis != nil && d.lis.Connected() {
+		got, err := d.lock.acquire(l.work)
+		if err != nil {
+			d.logger.Warn("outbox wake lock unavailable; relying on polling", slog.String("error", err.Error()))
+		}
+		switch got {
+		case lockProducers:
+			return draining
+		case lockHeld:
+			n, _, err := d.newDrain(l.work, l.run).pass()
+			if err != nil || n > 0 {
+				// Work arrived: drain without the lock.
+				if rerr := d.lock.release(l.work); rerr != nil {
+					d.logger.Warn("outbox wake lock release failed", slog.String("error", rerr.Error()))
+				}
+				if err != nil {
+					l.fail(err)
+					return backingOff
+				}
+				return draining
+			}
+		}
+	}
+
+	// The next due time is read after the lock and the re-check, so a
+	// delayed event committed later notifies (or is seen by the poll).
+	var due <-chan time.Time
+	if wait, ok := d.nextDue(l.work); ok && wait < d.cfg.PollInterval {
+		t := time.NewTimer(wait)
+		defer t.Stop()
+		due = t.C
+	}
+	select {
+	case <-l.run.Done():
+		return stopping
+	case <-d.wakeC():
+		d.wakes.Add(1)
+	case <-l.poll.C:
+		d.polls.Add(1)
+		d.rescue(l.work)
+	case <-due:
+		d.dues.Add(1)
+	}
+	return draining
+}
+
+// backoff waits 200 ms per consecutive failure (at most 5 s), then drains
+// again.
+func (l *loop) backoff() state {
+	t := time.NewTimer(min(time.Duration(l.failures)*200*time.Millisecond, 5*time.Second))
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return draining
+	case <-l.run.Done():
+		return stopping
+	}
+}
+
+// fail records a failed pass: log, count, and raise DispatcherFailing on
+// the FailureAlertAfter-th failure in a row.
+func (l *loop) fail(err error) {
+	d := l.d
+	d.logger.Error("outbox dispatch pass failed", slog.String("error", err.Error()))
+	l.failures++
+	d.errs.Add(1)
+	if l.failures == d.cfg.FailureAlertAfter {
+		d.cfg.Alerter.Alert(l.work, alert.Alert{
+			Reason:  alert.DispatcherFailing,
+			Message: fmt.Sprintf("the dispatch loop failed %d times in a row (last: %v)", l.failures, err),
+		})
+	}
+}
+
+// stop releases the wake lock and closes its connection.
+func (l *loop) stop() {
+	if l.d.lock != nil {
+		_ = l.d.lock.release(l.work)
+		l.d.lock.close()
+	}
+}
+
+func (d *Dispatcher) wakeC() <-chan struct{} {
+	if d.lis == nil {
+		return nil
+	}
+	return d.lis.Wake()
+}
+
+// nextDueSQL says how long, by the database's clock, until the earliest
+// pending event is due (NULL when none is pending). min(scheduled_at) over
+// status = 'pending' is the first entry of the claim index
+// outbox_event_claim_idx (scheduled_at, id) WHERE status = 'pending': an
+// index-only scan that stops at the first live entry, as the claim's own
+// scan does.
+const nextDueSQL = `SELECT extract(epoch FROM min(scheduled_at) - clock_timestamp())::float8 FROM outbox_event WHERE status = 'pending'`
+
+// dueFloor is the shortest sleep until a due time. A pending event that is
+// due already but was not claimed is locked by another dispatcher's batch
+// (or became due between the re-check and nextDueSQL): look again soon,
+// without spinning.
+const dueFloor = 100 * time.Millisecond
+
+// nextDue reads how long until the next pending event is due; ok is false
+// when none is pending or the query failed (the poll tick covers it).
+func (d *Dispatcher) nextDue(ctx context.Context) (time.Duration, bool) {
+	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	var secs *float64
+	if err := d.pool.QueryRow(qctx, nextDueSQL).Scan(&secs); err != nil {
+		if ctx.Err() == nil {
+			d.logger.Warn("outbox could not read the next due time; relying on the poll", slog.String("error", err.Error()))
+		}
+		return 0, false
+	}
+	if secs == nil {
+		return 0, false
+	}
+	// Round up to the millisecond so the claim's now() is past the due time.
+	wait := time.Duration(*secs*float64(time.Second)) + time.Millisecond
+	if wait <= time.Millisecond {
+		wait = dueFloor
+	}
+	return wait, true
+}
