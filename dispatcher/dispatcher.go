@@ -177,7 +177,6 @@ FROM (SELECT to_regclass('outbox_event') AS rel) r
 LEFT JOIN pg_class c ON c.oid = r.rel
 LEFT JOIN pg_namespace n ON n.oid = c.relnamespace`
 
-
 // syncCommitSQL lists where synchronous_commit is off or local for sessions
 // on this database: this session (server default, database and role
 // defaults and connection options all resolved), and every database- or
