@@ -3,6 +3,9 @@ package claim
 import (
 	"context"
 	"errors"
+	"net"
+	"strconv"
+	"sync"
 	"testing"
 	"time"
 
@@ -255,5 +258,120 @@ func TestRollbackIgnoresCancellation(t *testing.T) {
 	rollback(done, tx)
 	if st := conn.Conn().PgConn().TxStatus(); st != 'I' || conn.Conn().IsClosed() {
 		t.Fatalf("after rollback with a done context: status %q, closed %v; want an idle open connection", st, conn.Conn().IsClosed())
+	}
+}
+
+// TestRollbackOfAHungConnectionIsBounded: when the server stops answering
+// (a network partition), the rollback of a batch gives up after
+// rollbackTimeout and pgx closes the connection, instead of blocking the
+// dispatcher forever.
+func TestRollbackOfAHungConnectionIsBounded(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 120*time.Second)
+	cfg, err := pgx.ParseConfig(s.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := newFreezer(t, net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))))
+	cfg.Host, cfg.Port, cfg.Fallbacks = "127.0.0.1", p.port, nil
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	h := &Handoff{Pool: s.Pool}
+	tx, _, err := h.begin(ctx, conn, budgetedClaimSQL, 10, DefaultBatchBytes, outbox.MaxPayloadBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.freeze()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		rollback(ctx, tx)
+	}()
+	// rollbackTimeout plus pgx's grace after its cancel request, with room
+	// for a loaded machine.
+	select {
+	case <-done:
+	case <-time.After(rollbackTimeout + 25*time.Second):
+		t.Fatal("the rollback of a hung connection did not return")
+	}
+	if !conn.IsClosed() {
+		t.Fatal("after a failed rollback the connection is still open: its session state is unknown")
+	}
+}
+
+// freezer is a TCP proxy to a Postgres server that can stop forwarding
+// (freeze), as a network partition would.
+type freezer struct {
+	port   uint16
+	frozen chan struct{} // closed by freeze
+}
+
+func newFreezer(t *testing.T, target string) *freezer {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &freezer{port: uint16(ln.Addr().(*net.TCPAddr).Port), frozen: make(chan struct{})}
+	var (
+		mu    sync.Mutex
+		conns []net.Conn
+	)
+	track := func(c net.Conn) {
+		mu.Lock()
+		conns = append(conns, c)
+		mu.Unlock()
+	}
+	t.Cleanup(func() {
+		_ = ln.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+	})
+	go func() {
+		for {
+			client, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			server, err := net.Dial("tcp", target)
+			if err != nil {
+				_ = client.Close()
+				continue
+			}
+			track(client)
+			track(server)
+			go f.pipe(server, client)
+			go f.pipe(client, server)
+		}
+	}()
+	return f
+}
+
+func (f *freezer) freeze() { close(f.frozen) }
+
+// pipe copies src to dst until src fails; once frozen it drops whatever it
+// reads and forwards nothing more.
+func (f *freezer) pipe(dst, src net.Conn) {
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if err != nil {
+			return
+		}
+		select {
+		case <-f.frozen:
+			continue
+		default:
+		}
+		if _, err := dst.Write(buf[:n]); err != nil {
+			return
+		}
 	}
 }
