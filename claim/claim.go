@@ -215,9 +215,10 @@ SET retries      = retries + 1,
 WHERE id = $1 AND status IN ('pending', 'processing')
 RETURNING status::text, retries, event_type, tenant_id`
 
-// rescueSQL puts rows left in 'processing' past locked_until back to
-// pending (see Handoff.Rescue). This dispatcher never commits 'processing' (see claimSQL), but
-// external tools or older versions may; the rescue keeps them from sticking.
+// rescueSQL (Handoff.Rescue) puts rows left in 'processing' past
+// locked_until back to pending. This dispatcher never commits 'processing'
+// (see claimSQL), but external tools or older versions may; the rescue keeps
+// them from sticking.
 // A processing row without locked_until has no lease that could still be
 // running (nothing of this version writes one), so it is rescued too; the
 // processing index holds NULL keys as well, so this stays an index scan.
