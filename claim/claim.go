@@ -215,23 +215,16 @@ SET retries      = retries + 1,
 WHERE id = $1 AND status IN ('pending', 'processing')
 RETURNING status::text, retries, event_type, tenant_id`
 
-// RescueSQL puts rows left in 'processing' past locked_until back to
-// pending. This dispatcher never commits 'processing' (see claimSQL), but
-// external tools or older versions may; the rescue keeps them from sticking.
+// rescueSQL (Handoff.Rescue) puts rows left in 'processing' past
+// locked_until back to pending. This dispatcher never commits 'processing'
+// (see claimSQL), but external tools or older versions may; the rescue keeps
+// them from sticking.
 // A processing row without locked_until has no lease that could still be
 // running (nothing of this version writes one), so it is rescued too; the
 // processing index holds NULL keys as well, so this stays an index scan.
-const RescueSQL = `
+const rescueSQL = `
 UPDATE outbox_event SET status = 'pending', locked_until = NULL
 WHERE status = 'processing' AND (locked_until < now() OR locked_until IS NULL)`
-
-// Backoff returns the delay after the n-th failed attempt (n >= 1).
-func Backoff(n int) time.Duration {
-	if n < 1 {
-		n = 1
-	}
-	return time.Duration(1<<min(n-1, 5)) * time.Minute
-}
 
 // Handoff runs batches. Its fields must be set before use and not changed.
 type Handoff struct {
@@ -321,6 +314,16 @@ func (r *Result) add(o Result) {
 	r.Handed = append(r.Handed, o.Handed...)
 }
 
+// Rescue puts rows left in 'processing' past their lease back to pending
+// (see rescueSQL) and returns how many it put back.
+func (h *Handoff) Rescue(ctx context.Context) (int64, error) {
+	tag, err := h.Pool.Exec(ctx, rescueSQL)
+	if err != nil {
+		return 0, fmt.Errorf("claim: rescue stale processing rows: %w", err)
+	}
+	return tag.RowsAffected(), nil
+}
+
 // Batch claims up to limit due events and hands them off in one
 // transaction. When the River insert or the commit fails, the batch is
 // rolled back and every claimed event is retried in its own transaction.
@@ -357,7 +360,7 @@ func (h *Handoff) batch(ctx context.Context, sql string, args ...any) (Result, e
 	if err != nil {
 		return res, err
 	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	defer rollback(ctx, tx)
 	res.Claimed = len(events)
 	if n := len(events); n > 0 {
 		res.More = events[n-1].more
@@ -365,7 +368,7 @@ func (h *Handoff) batch(ctx context.Context, sql string, args ...any) (Result, e
 	}
 	if len(events) == 0 {
 		// Nothing locked, nothing written.
-		return res, tx.commitWith(tctx, nil)
+		return res, finish(tctx, tx, nil)
 	}
 
 	batchRes, unroutable, err := h.handoff(tctx, tx, events)
@@ -373,7 +376,7 @@ func (h *Handoff) batch(ctx context.Context, sql string, args ...any) (Result, e
 		if ctx.Err() != nil {
 			return res, err
 		}
-		_ = tx.Rollback(context.WithoutCancel(ctx))
+		rollback(ctx, tx)
 		timeout := timedOut(ctx, tctx, err)
 		if timeout {
 			h.reap(ctx, conn.Conn())
@@ -434,10 +437,10 @@ func (h *Handoff) one(ctx context.Context, id int64, batchErr error) (Result, er
 	if err != nil {
 		return res, err
 	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	defer rollback(ctx, tx)
 	if len(events) == 0 {
 		res.Skipped = 1
-		return res, tx.commitWith(tctx, nil)
+		return res, finish(tctx, tx, nil)
 	}
 	res.Claimed = 1
 	oneRes, unroutable, err := h.handoff(tctx, tx, events)
@@ -450,7 +453,7 @@ func (h *Handoff) one(ctx context.Context, id int64, batchErr error) (Result, er
 	if ctx.Err() != nil {
 		return res, err
 	}
-	_ = tx.Rollback(context.WithoutCancel(ctx))
+	rollback(ctx, tx)
 	if timedOut(ctx, tctx, err) {
 		h.reap(ctx, conn.Conn())
 		one, err := h.loneTimeout(ctx, events[0], err)
@@ -558,18 +561,13 @@ func timedOut(ctx, tctx context.Context, err error) bool {
 }
 
 // begin opens the batch transaction and claims, in one round trip.
-func (h *Handoff) begin(ctx context.Context, conn *pgx.Conn, sql string, args ...any) (*pipeTx, []Event, error) {
+func (h *Handoff) begin(ctx context.Context, conn *pgx.Conn, sql string, args ...any) (pgx.Tx, []Event, error) {
 	setup := planSettingsSQL
 	if !h.SynchronousCommit {
 		setup = asyncPlanSettingsSQL
 	}
-	tx, rows, err := beginAndQuery(ctx, conn, setup, sql, args...)
+	tx, events, err := beginAndClaim(ctx, conn, setup, sql, args...)
 	if err != nil {
-		return nil, nil, fmt.Errorf("claim: %w", err)
-	}
-	events, err := pgx.CollectRows(rows, scanEvent)
-	if err != nil {
-		tx.abandon(ctx)
 		return nil, nil, fmt.Errorf("claim: %w", err)
 	}
 	return tx, events, nil
@@ -627,7 +625,7 @@ func rowFault(payload []byte, size int) string {
 
 // handoff routes events, inserts their jobs, and marks them done or failed
 // and commits, in tx. It returns the unroutable events for alerting.
-func (h *Handoff) handoff(ctx context.Context, tx *pipeTx, events []Event) (Result, []Event, error) {
+func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Result, []Event, error) {
 	var (
 		res        Result
 		unroutable []Event
@@ -698,7 +696,7 @@ func (h *Handoff) handoff(ctx context.Context, tx *pipeTx, events []Event) (Resu
 		final = append(final, queued{"dead-letter broken rows", markBrokenSQL, []any{ids, msgs}})
 		res.Broken = len(broken)
 	}
-	if err := tx.commitWith(ctx, final); err != nil {
+	if err := finish(ctx, tx, final); err != nil {
 		return res, nil, err
 	}
 	h.alertBroken(ctx, broken)

@@ -141,9 +141,6 @@ func TestBackoffScheduleAndDeadLetter(t *testing.T) {
 			if r.status != "pending" || r.delay < want-10*time.Second || r.delay > want+10*time.Second {
 				t.Fatalf("attempt %d: %+v, want pending in %s", attempt, r, want)
 			}
-			if claim.Backoff(attempt) != want {
-				t.Fatalf("Backoff(%d) = %s, want %s", attempt, claim.Backoff(attempt), want)
-			}
 			if res.Retried != 1 {
 				t.Fatalf("attempt %d: result %+v", attempt, res)
 			}
@@ -222,16 +219,6 @@ func TestCancelledBatchLeavesEventsPending(t *testing.T) {
 	for _, id := range ids {
 		if r := get(t, s.Pool, id); r.status != "pending" || r.retries != 0 || r.jobs != 0 {
 			t.Fatalf("event %d = %+v, want untouched pending", id, r)
-		}
-	}
-}
-
-func TestBackoffFunction(t *testing.T) {
-	t.Parallel()
-	want := []time.Duration{time.Minute, 2 * time.Minute, 4 * time.Minute, 8 * time.Minute, 16 * time.Minute, 32 * time.Minute, 32 * time.Minute}
-	for i, w := range want {
-		if got := claim.Backoff(i + 1); got != w {
-			t.Errorf("Backoff(%d) = %s, want %s", i+1, got, w)
 		}
 	}
 }

@@ -2,166 +2,93 @@ package claim
 
 import (
 	"context"
-	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// pipeTx is a pgx.Tx on a dedicated connection whose BEGIN travels in the
-// same round trip as the claim, and whose COMMIT travels in the same round
-// trip as the final UPDATE. A batch thus costs four round trips (BEGIN+claim,
-// River's insert, River's NOTIFY, UPDATE+COMMIT) instead of six. River only
-// uses Exec, Query, QueryRow and CopyFrom of the transaction it is given.
-type pipeTx struct {
-	conn   *pgx.Conn
-	closed bool
+// rollbackTimeout bounds the rollback of a batch transaction. The caller's
+// context may be done (that is often why the batch is rolled back), so the
+// rollback runs without its cancellation but never longer than this; a
+// rollback that fails or times out makes pgx close the connection, which
+// ends the server session and its locks.
+const rollbackTimeout = 5 * time.Second
+
+// rollback ends tx if it is still open. After a Commit or an earlier
+// Rollback it does nothing (pgx returns ErrTxClosed).
+func rollback(ctx context.Context, tx pgx.Tx) {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+	defer cancel()
+	_ = tx.Rollback(rctx)
 }
 
-var errNested = errors.New("claim: nested transactions are not supported in a batch transaction")
-
-// beginAndQuery sends BEGIN, a setup statement and the query in one round
-// trip and returns the open transaction and the query's rows.
-func beginAndQuery(ctx context.Context, conn *pgx.Conn, setup, sql string, args ...any) (*pipeTx, pgx.Rows, error) {
+// beginAndClaim begins a transaction on conn and runs setup and the claim
+// query in it, all in one round trip (pgx's Batch.BeginTx), and returns the
+// open transaction and the claimed events. On error the transaction is
+// rolled back.
+func beginAndClaim(ctx context.Context, conn *pgx.Conn, setup, sql string, args ...any) (pgx.Tx, []Event, error) {
 	b := &pgx.Batch{}
-	b.Queue("begin")
+	b.BeginTx(pgx.TxOptions{})
 	b.Queue(setup)
 	b.Queue(sql, args...)
 	br := conn.SendBatch(ctx, b)
-	tx := &pipeTx{conn: conn}
+	tx := br.Tx()
+	events, err := readClaim(br)
+	if closeErr := br.Close(); err == nil {
+		err = closeErr
+	}
+	if err != nil {
+		// After a failed BEGIN the batch has closed tx already: rollback
+		// then does nothing.
+		rollback(ctx, tx)
+		return nil, nil, err
+	}
+	return tx, events, nil
+}
+
+// readClaim reads the results of BEGIN, the setup statement and the claim.
+func readClaim(br pgx.BatchResults) ([]Event, error) {
 	for range 2 {
 		if _, err := br.Exec(); err != nil {
-			_ = br.Close()
-			tx.abandon(ctx)
-			return nil, nil, err
+			return nil, err
 		}
 	}
 	rows, err := br.Query()
 	if err != nil {
-		_ = br.Close()
-		tx.abandon(ctx)
-		return nil, nil, err
+		return nil, err
 	}
-	return tx, &batchRows{Rows: rows, br: br}, nil
+	return pgx.CollectRows(rows, scanEvent)
 }
 
-// batchRows closes the batch when the rows are closed; a failure to close
-// it (a broken connection) is reported by Err after Close.
-type batchRows struct {
-	pgx.Rows
-	br       pgx.BatchResults
-	closeErr error
-}
-
-func (r *batchRows) Close() {
-	r.Rows.Close()
-	if r.br != nil {
-		r.closeErr = r.br.Close()
-		r.br = nil
-	}
-}
-
-func (r *batchRows) Err() error {
-	if err := r.Rows.Err(); err != nil {
-		return err
-	}
-	return r.closeErr
-}
-
-// commitWith runs the final statements and COMMIT in one round trip.
-func (t *pipeTx) commitWith(ctx context.Context, stmts []queued) error {
-	if t.closed {
-		return pgx.ErrTxClosed
-	}
-	b := &pgx.Batch{}
-	for _, s := range stmts {
-		b.Queue(s.sql, s.args...)
-	}
-	b.Queue("commit")
-	br := t.conn.SendBatch(ctx, b)
-	for _, s := range stmts {
-		if _, err := br.Exec(); err != nil {
-			_ = br.Close()
-			t.abandon(ctx)
-			return fmt.Errorf("%s: %w", s.what, err)
-		}
-	}
-	tag, err := br.Exec()
-	closeErr := br.Close()
-	t.closed = true
-	if err == nil {
-		err = closeErr
-	}
-	if err != nil {
-		if t.conn.PgConn().TxStatus() != 'I' {
-			_ = t.conn.Close(ctx) // outcome unknown: never reuse this session
-		}
-		return fmt.Errorf("commit: %w", err)
-	}
-	if tag.String() == "ROLLBACK" {
-		return pgx.ErrTxCommitRollback
-	}
-	return nil
-}
-
-// abandon rolls back (best effort) after a failure.
-func (t *pipeTx) abandon(ctx context.Context) {
-	_ = t.Rollback(context.WithoutCancel(ctx))
-}
-
-// queued is one statement of the final round trip.
+// queued is one statement of the final step of a batch.
 type queued struct {
 	what string
 	sql  string
 	args []any
 }
 
-func (t *pipeTx) Begin(context.Context) (pgx.Tx, error) { return nil, errNested }
-
-func (t *pipeTx) Commit(ctx context.Context) error { return t.commitWith(ctx, nil) }
-
-func (t *pipeTx) Rollback(ctx context.Context) error {
-	if t.closed {
-		return pgx.ErrTxClosed
+// finish runs the final statements of a batch in tx, in one round trip,
+// and commits.
+func finish(ctx context.Context, tx pgx.Tx, stmts []queued) error {
+	if len(stmts) > 0 {
+		b := &pgx.Batch{}
+		for _, s := range stmts {
+			b.Queue(s.sql, s.args...)
+		}
+		br := tx.SendBatch(ctx, b)
+		for _, s := range stmts {
+			if _, err := br.Exec(); err != nil {
+				_ = br.Close()
+				return fmt.Errorf("%s: %w", s.what, err)
+			}
+		}
+		if err := br.Close(); err != nil {
+			return err
+		}
 	}
-	t.closed = true
-	if t.conn.IsClosed() || t.conn.PgConn().TxStatus() == 'I' {
-		return nil
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("commit: %w", err)
 	}
-	_, err := t.conn.Exec(ctx, "rollback")
-	if err != nil {
-		_ = t.conn.Close(ctx)
-	}
-	return err
+	return nil
 }
-
-func (t *pipeTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
-	return t.conn.CopyFrom(ctx, table, cols, src)
-}
-
-func (t *pipeTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
-	return t.conn.SendBatch(ctx, b)
-}
-
-func (t *pipeTx) LargeObjects() pgx.LargeObjects { return pgx.LargeObjects{} }
-
-func (t *pipeTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
-	return t.conn.Prepare(ctx, name, sql)
-}
-
-func (t *pipeTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	return t.conn.Exec(ctx, sql, args...)
-}
-
-func (t *pipeTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	return t.conn.Query(ctx, sql, args...)
-}
-
-func (t *pipeTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	return t.conn.QueryRow(ctx, sql, args...)
-}
-
-func (t *pipeTx) Conn() *pgx.Conn { return t.conn }
-
-var _ pgx.Tx = (*pipeTx)(nil)

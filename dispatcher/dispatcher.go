@@ -404,14 +404,14 @@ func (d *Dispatcher) Stop(ctx context.Context) error {
 func (d *Dispatcher) rescue(ctx context.Context) {
 	rctx, cancel := context.WithTimeout(ctx, d.cfg.BatchTimeout)
 	defer cancel()
-	tag, err := d.pool.Exec(rctx, claim.RescueSQL)
+	n, err := d.handoff.Rescue(rctx)
 	if err != nil {
 		if ctx.Err() == nil {
 			d.logger.Warn("outbox rescue of stale processing rows failed", slog.String("error", err.Error()))
 		}
 		return
 	}
-	if n := tag.RowsAffected(); n > 0 {
+	if n > 0 {
 		d.logger.Warn("outbox put stale processing rows back to pending", slog.Int64("rows", n))
 	}
 }
