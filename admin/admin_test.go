@@ -310,6 +310,18 @@ func TestAuditListKeepsStoredJSON(t *testing.T) {
 	if list, err = cl.AuditList(ctx, admin.AuditOpts{Since: &future}); err != nil || len(list) != 0 {
 		t.Fatalf("since the future: %+v %v", list, err)
 	}
+	// By event: a change by filter lists the ids it changed.
+	other := insert(t, s, "billing.invoice.paid", "failed", "")
+	third, err := cl.Requeue(ctx, admin.Selection{TypePrefix: "billing."}, admin.RequeueOpts{Actor: "erin"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if list, err = cl.AuditList(ctx, admin.AuditOpts{EventID: other}); err != nil || len(list) != 1 || list[0].ID != third.AuditID {
+		t.Fatalf("by event %d: %+v %v", other, list, err)
+	}
+	if list, err = cl.AuditList(ctx, admin.AuditOpts{EventID: id}); err != nil || len(list) != 2 {
+		t.Fatalf("by event %d: %+v %v", id, list, err)
+	}
 }
 
 func TestRetentionRunAuditsAndReportsLock(t *testing.T) {
