@@ -2,6 +2,7 @@ package admin
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -10,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/outboxhq/outbox/internal/filter"
+	outboxriver "github.com/outboxhq/outbox/river"
 )
 
 // Limits of ListEvents.
@@ -158,4 +160,30 @@ func (c *Client) ListEvents(ctx context.Context, opts EventListOpts) (*EventPage
 		page.Next = page.Events[opts.Limit-1].ID
 	}
 	return page, nil
+}
+
+// eventOfJobSQL finds the event a River job was handed off for: the job's
+// outbox metadata (every handoff writes it), else the envelope args of a
+// job from before the metadata existed.
+const eventOfJobSQL = `
+SELECT coalesce((metadata->>'outbox_event_id')::bigint,
+                CASE WHEN kind = $2 THEN (args->>'event_id')::bigint END)
+FROM river_job WHERE id = $1`
+
+// EventOfJob returns the id of the event a River job was handed off for. It
+// returns an error wrapping ErrNotFound when no River job has the id, or
+// when the job carries no outbox event.
+func (c *Client) EventOfJob(ctx context.Context, jobID int64) (int64, error) {
+	var id *int64
+	err := c.pool.QueryRow(ctx, eventOfJobSQL, jobID, outboxriver.Kind).Scan(&id)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, fmt.Errorf("River job %d: no such job (River deletes finalized jobs after its retention period): %w", jobID, ErrNotFound)
+	}
+	if err != nil {
+		return 0, c.explain(ctx, fmt.Errorf("read River job %d: %w", jobID, err))
+	}
+	if id == nil {
+		return 0, fmt.Errorf("River job %d carries no outbox event (neither metadata nor envelope args): %w", jobID, ErrNotFound)
+	}
+	return *id, nil
 }

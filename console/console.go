@@ -118,6 +118,7 @@ func New(cfg Config) (*Handler, error) {
 	mux.HandleFunc("GET /{$}", h.overview)
 	mux.HandleFunc("GET /events", h.events)
 	mux.HandleFunc("GET /events/{id}", h.event)
+	mux.HandleFunc("GET /jobs/{id}", h.jobEvent)
 	mux.HandleFunc("GET /audit", h.audit)
 	mux.HandleFunc("GET /api/series", h.series)
 	mux.HandleFunc("GET /static/{file}", h.static)

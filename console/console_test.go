@@ -21,9 +21,10 @@ import (
 
 const testToken = "s3cret-console-token-for-tests"
 
-// server mounts a console at /console (and a stand-in for River UI, guarded
-// like outboxd guards the real one, at /riverui) on a test server.
-func server(t *testing.T, s *pgtest.Schema, cfg console.Config) (*httptest.Server, *console.Handler) {
+// server mounts a console at /console and River UI (riverUI, or a stand-in
+// when nil), guarded like outboxd guards the real one, at /riverui on a test
+// server.
+func server(t *testing.T, s *pgtest.Schema, cfg console.Config, riverUI ...http.Handler) (*httptest.Server, *console.Handler) {
 	t.Helper()
 	cfg.Pool = s.Pool
 	cfg.Prefix = "/console"
@@ -45,9 +46,13 @@ func server(t *testing.T, s *pgtest.Schema, cfg console.Config) (*httptest.Serve
 	t.Cleanup(h.Stop)
 	mux := http.NewServeMux()
 	mux.Handle("/console/", h)
-	mux.Handle("/riverui/", h.GuardRiverUI(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	var rui http.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.WriteString(w, "river ui "+r.Method+" "+r.URL.Path)
-	})))
+	})
+	if len(riverUI) > 0 {
+		rui = riverUI[0]
+	}
+	mux.Handle("/riverui/", h.GuardRiverUI(rui))
 	srv := httptest.NewServer(mux)
 	t.Cleanup(srv.Close)
 	return srv, h
@@ -157,6 +162,9 @@ func TestReadOnlyPagesNeedNoSetup(t *testing.T) {
 	}
 	if code, _, _ = c.do("GET", "/console/events/424242", nil); code != 404 {
 		t.Errorf("unknown event: %d", code)
+	}
+	if code, body, _ = c.do("GET", "/console/jobs/424242", nil); code != 404 || !strings.Contains(body, "no such job") {
+		t.Errorf("unknown River job: %d\n%s", code, body)
 	}
 	if code, body, _ = c.do("POST", "/console/login", url.Values{"name": {"eve"}, "token": {"anything-at-all-here"}}); code != 403 || !strings.Contains(body, "OUTBOX_CONSOLE_TOKEN") {
 		t.Errorf("sign in without a token configured: %d\n%s", code, body)

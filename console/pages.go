@@ -326,6 +326,29 @@ func (h *Handler) event(w http.ResponseWriter, r *http.Request) {
 	h.renderView(w, r, http.StatusOK, "event", &view{Title: fmt.Sprintf("Event %d", id), Nav: "events", Data: d})
 }
 
+// jobEvent redirects from a River job (by id, as River UI shows it) to the
+// page of the event it was handed off for: the way back from River UI,
+// whose job page shows the outbox_event_id metadata.
+func (h *Handler) jobEvent(w http.ResponseWriter, r *http.Request) {
+	jobID, err := strconv.ParseInt(r.PathValue("id"), 10, 64)
+	if err != nil || jobID <= 0 {
+		h.fail(w, r, http.StatusBadRequest, "a River job id is a positive integer")
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)
+	defer cancel()
+	id, err := h.admin.EventOfJob(ctx, jobID)
+	if errors.Is(err, admin.ErrNotFound) {
+		h.fail(w, r, http.StatusNotFound, err.Error())
+		return
+	}
+	if err != nil {
+		h.dbFail(w, r, "the River job", err)
+		return
+	}
+	http.Redirect(w, r, h.url("/events/"+strconv.FormatInt(id, 10)), http.StatusFound)
+}
+
 func (h *Handler) audit(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)
 	defer cancel()
