@@ -2,6 +2,7 @@ package console_test
 
 import (
 	"context"
+	"encoding/json"
 	"io"
 	"net/http"
 	"net/http/cookiejar"
@@ -236,6 +237,16 @@ func TestTokenCSRFAndOriginGuardMutations(t *testing.T) {
 	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_audit WHERE actor = 'console:alice' AND action = 'requeue' AND affected = 2`); n != 1 {
 		t.Errorf("audit rows of console:alice: %d", n)
 	}
+	// A preview by filter: the billing event only (the two others are
+	// pending now); a status alone is refused without "all".
+	byFilter := url.Values{"csrf": {csrf}, "scope": {"filter"}, "action": {"cancel"}, "type": {"billing."}, "status": {"failed"}}
+	if code, body, _ = c.do("POST", "/console/actions/preview", byFilter); code != 200 || !strings.Contains(body, `<b id="affected">1</b>`) || !strings.Contains(body, "value=\""+itoa(failed[2])+"\"") {
+		t.Errorf("preview by filter: %d\n%s", code, body)
+	}
+	byFilter.Del("type")
+	if code, body, _ = c.do("POST", "/console/actions/preview", byFilter); code != 400 || !strings.Contains(body, "--all") {
+		t.Errorf("status alone without all: %d\n%s", code, body)
+	}
 	// River UI: readable once signed in; its actions need the same origin.
 	if code, body, _ = c.do("GET", "/riverui/jobs/1", nil); code != 200 || body != "river ui GET /riverui/jobs/1" {
 		t.Errorf("River UI signed in: %d %q", code, body)
@@ -284,12 +295,21 @@ func TestPagesHideConnectionDetails(t *testing.T) {
 func TestSeriesSamplesRates(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
-	srv, _ := server(t, s, console.Config{SampleInterval: 50 * time.Millisecond})
+	srv, _ := server(t, s, console.Config{SampleInterval: 100 * time.Millisecond})
 	c := newClient(t, srv)
 	pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome", Payload: []byte(`{}`)}, outbox.Event{Type: "mail.user.welcome", Payload: []byte(`{}`)})
-	pgtest.WaitFor(t, 30*time.Second, "a point with the two pending events and a publish rate", func() bool {
+	pgtest.WaitFor(t, 60*time.Second, "a point with the two pending events and a publish rate", func() bool {
 		_, body, _ := c.do("GET", "/console/api/series", nil)
-		return strings.Contains(body, `"pending":2`) && regexp.MustCompile(`"publish_per_s":[1-9]`).MatchString(body)
+		var series struct{ Points []console.Point }
+		if err := json.Unmarshal([]byte(body), &series); err != nil {
+			t.Fatalf("%v: %s", err, body)
+		}
+		published, pending := false, false
+		for _, p := range series.Points {
+			published = published || p.PublishPerS > 0
+			pending = pending || p.Pending == 2
+		}
+		return published && pending
 	})
 }
 
@@ -301,4 +321,24 @@ func mustURL(t *testing.T, s string) *url.URL {
 		t.Fatal(err)
 	}
 	return u
+}
+
+// TestPayloadsShownWhenEnabled: with ShowPayloads the event page shows the
+// payload, and River UI is readable without a sign-in (its actions are
+// not).
+func TestPayloadsShownWhenEnabled(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	failed := seed(t, s)
+	srv, _ := server(t, s, console.Config{ShowPayloads: true, Token: testToken})
+	c := newClient(t, srv)
+	if code, body, _ := c.do("GET", "/console/events/"+itoa(failed[0]), nil); code != 200 || !strings.Contains(body, `<pre id="payload">{&#34;secret&#34;: &#34;p4yl0ad&#34;}</pre>`) {
+		t.Errorf("event page: %d\n%s", code, body)
+	}
+	if code, body, _ := c.do("GET", "/riverui/jobs/1", nil); code != 200 || body != "river ui GET /riverui/jobs/1" {
+		t.Errorf("River UI read: %d %q", code, body)
+	}
+	if code, _, _ := c.do("POST", "/riverui/api/jobs/retry", url.Values{}); code != 401 {
+		t.Errorf("River UI action without a sign-in: %d", code)
+	}
 }

@@ -91,7 +91,9 @@ func (s *sampler) sample(ctx context.Context) {
 	if !prevAt.IsZero() {
 		fromID, since = &prevID, &prevAt
 	}
-	qctx, cancel := context.WithTimeout(ctx, s.interval)
+	// A sample may take longer than the interval on a busy database; the
+	// next one then waits (the ticker drops the ticks in between).
+	qctx, cancel := context.WithTimeout(ctx, max(s.interval, 10*time.Second))
 	defer cancel()
 	var (
 		p                Point
