@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	neturl "net/url"
+	"regexp"
 	"strings"
 	"time"
 
@@ -71,7 +73,7 @@ func startListener(ctx context.Context, cfg *config.Config, reg *prometheus.Regi
 // share a small pool of their own, so that a slow page never takes a
 // connection from the dispatcher or the workers.
 func mountUI(ctx context.Context, cfg *config.Config, mux *http.ServeMux, routes *route.Table, logger *slog.Logger) (stop func(), served []string, err error) {
-	pool, err := dbconn.Open(ctx, cfg.DatabaseURL, dbconn.Options{MaxConns: 4, Wait: 30 * time.Second, Logger: logger})
+	pool, err := dbconn.Open(ctx, consoleURL(cfg.DatabaseURL), dbconn.Options{MaxConns: 4, Wait: 30 * time.Second, Logger: logger})
 	if err != nil {
 		return nil, nil, fmt.Errorf("the console's database pool: %w", err)
 	}
@@ -136,6 +138,35 @@ func mountUI(ctx context.Context, cfg *config.Config, mux *http.ServeMux, routes
 		pool.Close()
 	}, served, nil
 }
+
+// consoleURL is url with an application_name of its own: the URL's (or
+// outboxd's) with "-console" appended, so that pg_stat_activity tells the
+// pages' queries from the dispatcher's (and a tool that terminates the
+// dispatcher's sessions by application_name leaves the console alone).
+func consoleURL(url string) string {
+	if !strings.HasPrefix(url, "postgres://") && !strings.HasPrefix(url, "postgresql://") {
+		// keyword=value form: a later keyword overrides an earlier one.
+		name := "outboxd"
+		if m := appNameKV.FindStringSubmatch(url); m != nil {
+			name = m[1]
+		}
+		return url + " application_name=" + name + "-console"
+	}
+	u, err := neturl.Parse(url)
+	if err != nil {
+		return url // dbconn.Open reports it
+	}
+	q := u.Query()
+	name := q.Get("application_name")
+	if name == "" {
+		name = "outboxd"
+	}
+	q.Set("application_name", name+"-console")
+	u.RawQuery = q.Encode()
+	return u.String()
+}
+
+var appNameKV = regexp.MustCompile(`(?:^|\s)application_name=([^\s']+)`)
 
 // minLevel is a slog.Handler that drops records below a level.
 type minLevel struct {

@@ -102,3 +102,19 @@ func TestTakenDefaultAddressIsAWarning(t *testing.T) {
 		t.Fatalf("explicit taken: %v", err)
 	}
 }
+
+// TestConsoleURLNamesItsSessions: the console's pool gets an
+// application_name of its own, in both forms of a connection string.
+func TestConsoleURLNamesItsSessions(t *testing.T) {
+	t.Parallel()
+	for in, want := range map[string]string{
+		"postgres://u@h/db": "postgres://u@h/db?application_name=outboxd-console",
+		"postgres://u@h/db?search_path=s&application_name=x": "postgres://u@h/db?application_name=x-console&search_path=s",
+		"host=h user=u":             "host=h user=u application_name=outboxd-console",
+		"host=h application_name=x": "host=h application_name=x application_name=x-console",
+	} {
+		if got := consoleURL(in); got != want {
+			t.Errorf("consoleURL(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
