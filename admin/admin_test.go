@@ -310,6 +310,18 @@ func TestAuditListKeepsStoredJSON(t *testing.T) {
 	if list, err = cl.AuditList(ctx, admin.AuditOpts{Since: &future}); err != nil || len(list) != 0 {
 		t.Fatalf("since the future: %+v %v", list, err)
 	}
+	// By event: a change by filter lists the ids it changed.
+	other := insert(t, s, "billing.invoice.paid", "failed", "")
+	third, err := cl.Requeue(ctx, admin.Selection{TypePrefix: "billing."}, admin.RequeueOpts{Actor: "erin"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if list, err = cl.AuditList(ctx, admin.AuditOpts{EventID: other}); err != nil || len(list) != 1 || list[0].ID != third.AuditID {
+		t.Fatalf("by event %d: %+v %v", other, list, err)
+	}
+	if list, err = cl.AuditList(ctx, admin.AuditOpts{EventID: id}); err != nil || len(list) != 2 {
+		t.Fatalf("by event %d: %+v %v", id, list, err)
+	}
 }
 
 func TestRetentionRunAuditsAndReportsLock(t *testing.T) {
@@ -447,5 +459,52 @@ func TestStatsTellsScheduledFromBacklog(t *testing.T) {
 	}
 	if names := alertNames(st); names != "[]" {
 		t.Fatalf("alerts %s: 500 events scheduled for tomorrow are no backlog", names)
+	}
+}
+
+// TestExplainTellsDeletedJobs: a job missing from river_job is judged by the
+// evidence: a done receipt of the job (it ran), a handoff younger than
+// River's retention (deleted by hand, work maybe lost), or an older one
+// (most likely the cleaner).
+func TestExplainTellsDeletedJobs(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, time.Minute)
+	cl := admin.New(s.Pool)
+	handOff := func(age string, jobs ...int64) int64 {
+		id := insert(t, s, "mail.user.welcome", "done", "")
+		if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET processed_at = now() - $2::interval, river_job_ids = $3 WHERE id = $1`, id, age, jobs); err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	fresh := handOff("1 minute", 900001, 900002)
+	if _, err := s.Pool.Exec(ctx, `INSERT INTO outbox_receipt (receiver, event_id, state, job_id, attempt, expires_at)
+		VALUES ('mailer', $1, 'done', 900002, 1, now() + interval '1 day')`, fresh); err != nil {
+		t.Fatal(err)
+	}
+	old := handOff("2 days", 900003)
+
+	ex, err := cl.Explain(ctx, fresh, admin.ExplainOpts{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ex.Jobs) != 2 || ex.Jobs[0].Found || ex.Jobs[0].Missing != admin.MissingBeforeRetention ||
+		!strings.Contains(ex.Jobs[0].MissingNote, "deleted by hand") || ex.Jobs[1].Missing != admin.MissingAfterCompletion {
+		t.Fatalf("fresh handoff: %+v", ex.Jobs)
+	}
+	if ex, err = cl.Explain(ctx, old, admin.ExplainOpts{}); err != nil {
+		t.Fatal(err)
+	}
+	if len(ex.Jobs) != 1 || ex.Jobs[0].Missing != admin.MissingAfterRetention || !strings.Contains(ex.Jobs[0].MissingNote, "cleaner") {
+		t.Fatalf("old handoff: %+v", ex.Jobs)
+	}
+	// A longer retention (the workers keep jobs 3 days) makes the old
+	// handoff too young for the cleaner.
+	if ex, err = cl.Explain(ctx, old, admin.ExplainOpts{JobRetention: 72 * time.Hour}); err != nil {
+		t.Fatal(err)
+	}
+	if ex.Jobs[0].Missing != admin.MissingBeforeRetention {
+		t.Fatalf("old handoff, 72 h retention: %+v", ex.Jobs)
 	}
 }

@@ -27,6 +27,10 @@ type AuditOpts struct {
 	Action string
 	// Since, when set, keeps only actions at or after it.
 	Since *time.Time
+	// EventID, when set, keeps only the actions that name this event: in
+	// their selection by id, or among the changed ids they list (the first
+	// 100 of an action; a larger change by filter may not name it).
+	EventID int64
 }
 
 // AuditEntry is one recorded operator action (an outbox_audit row).
@@ -52,6 +56,7 @@ SELECT id, at, actor, db_user, action, filter::text, affected, detail::text
 FROM outbox_audit
 WHERE ($1::text IS NULL OR action = $1::text)
   AND ($2::timestamptz IS NULL OR at >= $2::timestamptz)
+  AND ($4::bigint IS NULL OR filter->'ids' @> to_jsonb($4::bigint) OR detail->'ids' @> to_jsonb($4::bigint))
 ORDER BY at DESC, id DESC
 LIMIT $3`
 
@@ -78,7 +83,11 @@ func (c *Client) AuditList(ctx context.Context, opts AuditOpts) ([]AuditEntry, e
 	if opts.Action != "" {
 		action = &opts.Action
 	}
-	rows, err := c.pool.Query(ctx, auditListSQL, action, opts.Since, opts.Limit)
+	var eventID *int64
+	if opts.EventID != 0 {
+		eventID = &opts.EventID
+	}
+	rows, err := c.pool.Query(ctx, auditListSQL, action, opts.Since, opts.Limit, eventID)
 	if err != nil {
 		return nil, c.explain(ctx, fmt.Errorf("read outbox_audit (has `outboxctl migrate` run?): %w", err))
 	}

@@ -19,7 +19,35 @@ type ExplainOpts struct {
 	Routes *route.Table
 	// RoutesFile names where Routes came from, reported in RouteMatch.File.
 	RoutesFile string
+	// JobRetention is the shortest time River's cleaner keeps a finalized
+	// job (the least of the workers' CompletedJobRetentionPeriod,
+	// CancelledJobRetentionPeriod and DiscardedJobRetentionPeriod); it tells
+	// a job deleted early from one the cleaner may have removed
+	// (JobDetail.Missing). 0 means River's default, DefaultJobRetention.
+	JobRetention time.Duration
 }
+
+// DefaultJobRetention is River's shortest default retention of a finalized
+// job: completed and cancelled jobs are kept 24 h (discarded ones 7 days).
+const DefaultJobRetention = 24 * time.Hour
+
+// Why a recorded River job is missing from river_job (JobDetail.Missing).
+// No record says who deleted a job, so these name the evidence, not a
+// certainty.
+const (
+	// MissingAfterCompletion: a receipt of the receiver says the job
+	// completed; the row was deleted afterwards (the cleaner, or by hand).
+	MissingAfterCompletion = "deleted_after_completion"
+	// MissingBeforeRetention: the event was handed off less than the
+	// retention ago, so River's cleaner cannot have removed the job yet, and
+	// no receipt says it completed: it was deleted by hand (River UI, SQL)
+	// and may never have run.
+	MissingBeforeRetention = "deleted_before_retention"
+	// MissingAfterRetention: the handoff is older than the retention and no
+	// receipt says the job completed: most likely River's cleaner removed
+	// it after it finished, but a deletion by hand cannot be ruled out.
+	MissingAfterRetention = "missing_after_retention"
+)
 
 // Explanation is what happened to one event: its row, the routes it matches
 // now, its River jobs and its receivers' receipts.
@@ -31,6 +59,8 @@ type Explanation struct {
 	Jobs []JobDetail `json:"jobs"`
 	// Receipts are the receivers' outbox_receipt rows, by receiver.
 	Receipts []Receipt `json:"receipts"`
+	// AsOf is the database's clock when the event was read.
+	AsOf time.Time `json:"as_of"`
 }
 
 // EventDetail is one outbox_event row.
@@ -68,10 +98,16 @@ type RouteMatch struct {
 // JobDetail is one River job of the event.
 type JobDetail struct {
 	ID int64 `json:"id"`
-	// Found is false when River has deleted the job (its cleaner removes
-	// finalized jobs after their retention period, 24 h by default); the
-	// other fields are then empty.
-	Found       bool       `json:"found"`
+	// Found is false when the job is no longer in river_job (River's
+	// cleaner removes finalized jobs after their retention period, 24 h by
+	// default, and an operator may delete one by hand); the fields below
+	// are then empty but for Missing and MissingNote.
+	Found bool `json:"found"`
+	// Missing, for a job not found, is what the evidence says about it:
+	// MissingAfterCompletion, MissingBeforeRetention or
+	// MissingAfterRetention; MissingNote says it in a sentence.
+	Missing     string     `json:"missing,omitempty"`
+	MissingNote string     `json:"missing_note,omitempty"`
 	Queue       string     `json:"queue,omitempty"`
 	State       string     `json:"state,omitempty"`
 	Attempt     int        `json:"attempt"`
@@ -107,7 +143,7 @@ type Receipt struct {
 
 const explainEventSQL = `
 SELECT id, event_type, tenant_id, dispatch_key, status::text, retries, last_error,
-       created_at, scheduled_at, locked_until, processed_at, coalesce(river_job_ids, '{}'), payload::text
+       created_at, scheduled_at, locked_until, processed_at, coalesce(river_job_ids, '{}'), payload::text, now()
 FROM outbox_event WHERE id = $1`
 
 // explainJobsSQL reads the jobs by primary key: the handoff recorded their
@@ -136,7 +172,46 @@ func (c *Client) Explain(ctx context.Context, id int64, opts ExplainOpts) (*Expl
 		}
 		res.Routes = r
 	}
+	retention := opts.JobRetention
+	if retention <= 0 {
+		retention = DefaultJobRetention
+	}
+	res.judgeMissing(retention)
 	return res, nil
+}
+
+// judgeMissing fills in Missing and MissingNote of the jobs not found.
+// River's cleaner deletes a job only once it has been finalized for longer
+// than the retention, and a job is finalized after it was inserted, that is
+// after the handoff (processed_at): a job missing sooner than that after the
+// handoff was not removed by the cleaner. A receipt of the job that
+// completed shows that it ran, whoever deleted it.
+func (res *Explanation) judgeMissing(retention time.Duration) {
+	completed := map[int64]bool{}
+	for _, r := range res.Receipts {
+		if r.JobID != nil && r.State == "done" {
+			completed[*r.JobID] = true
+		}
+	}
+	handedOff := res.Event.ProcessedAt
+	for i := range res.Jobs {
+		j := &res.Jobs[i]
+		if j.Found {
+			continue
+		}
+		switch {
+		case completed[j.ID]:
+			j.Missing = MissingAfterCompletion
+			j.MissingNote = "not in river_job; a receipt of its receiver says it completed (state done), so it ran and was deleted afterwards (by River's cleaner or by hand)"
+		case handedOff != nil && res.AsOf.Sub(*handedOff) < retention:
+			j.Missing = MissingBeforeRetention
+			j.MissingNote = fmt.Sprintf("not in river_job, handed off %s ago, sooner than River keeps finalized jobs (%s), and no receipt says it completed: it was deleted by hand (River UI or SQL) and may never have run; check the receiver, and requeue the event with --allow-replay if its work is lost",
+				res.AsOf.Sub(*handedOff).Round(time.Second), retention)
+		default:
+			j.Missing = MissingAfterRetention
+			j.MissingNote = fmt.Sprintf("not in river_job, handed off more than %s ago: most likely River's cleaner removed it after it finished (no record tells this from a deletion by hand)", retention)
+		}
+	}
 }
 
 func (c *Client) explainEvent(ctx context.Context, id int64) (*Explanation, error) {
@@ -144,7 +219,7 @@ func (c *Client) explainEvent(ctx context.Context, id int64) (*Explanation, erro
 	e := &res.Event
 	var payload string
 	err := c.pool.QueryRow(ctx, explainEventSQL, id).Scan(&e.ID, &e.Type, &e.TenantID, &e.DispatchKey, &e.Status, &e.Retries, &e.LastError,
-		&e.CreatedAt, &e.ScheduledAt, &e.LockedUntil, &e.ProcessedAt, &e.RiverJobIDs, &payload)
+		&e.CreatedAt, &e.ScheduledAt, &e.LockedUntil, &e.ProcessedAt, &e.RiverJobIDs, &payload, &res.AsOf)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, &notFoundError{id: id}
 	}

@@ -120,7 +120,7 @@ func printExplain(w io.Writer, res *admin.Explanation) {
 	}
 	for _, j := range res.Jobs {
 		if !j.Found {
-			fmt.Fprintf(w, "  job %d  not in river_job: River deleted it after its retention period (finalized jobs are kept 24 h by default)\n", j.ID)
+			fmt.Fprintf(w, "  job %d  %s\n", j.ID, clean(j.MissingNote))
 			continue
 		}
 		fmt.Fprintf(w, "  job %d  queue %s  state %s  attempt %d/%d\n", j.ID, clean(j.Queue), clean(j.State), j.Attempt, j.MaxAttempts)

@@ -37,8 +37,9 @@ type health struct {
 //	          otherwise (readiness)
 //
 // The endpoints are unauthenticated: they say what is up or down, never a
-// user, host, database or error text (the log has those).
-func newHTTPHandler(reg *prometheus.Registry, h health) http.Handler {
+// user, host, database or error text (the log has those). The console and
+// River UI are mounted on the same mux (console.go).
+func newHTTPHandler(reg *prometheus.Registry, h health) *http.ServeMux {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg, ErrorHandling: promhttp.ContinueOnError}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
@@ -76,13 +77,18 @@ func (h health) ready(ctx context.Context) error {
 	return nil
 }
 
-// startHTTP listens on addr (so a taken port fails start-up) and serves h
-// in the background. The returned function shuts the server down.
-func startHTTP(addr string, h http.Handler, logger *slog.Logger) (func(context.Context) error, error) {
+// listenHTTP listens on addr, so that a taken port fails start-up.
+func listenHTTP(addr string) (net.Listener, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("OUTBOX_HTTP_ADDR=%s: %w", addr, err)
 	}
+	return ln, nil
+}
+
+// serveHTTP serves h on ln in the background and logs msg with the
+// address. The returned function shuts the server down.
+func serveHTTP(ln net.Listener, h http.Handler, logger *slog.Logger, msg string) func(context.Context) error {
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
 	served := make(chan struct{})
 	go func() {
@@ -91,12 +97,12 @@ func startHTTP(addr string, h http.Handler, logger *slog.Logger) (func(context.C
 			logger.Error("HTTP listener failed", slog.String("error", err.Error()))
 		}
 	}()
-	logger.Info("serving /metrics, /healthz and /readyz", slog.String("addr", ln.Addr().String()))
+	logger.Info(msg, slog.String("addr", ln.Addr().String()))
 	// The stop function drains open requests (until ctx ends) and waits
 	// for the serving goroutine.
 	return func(ctx context.Context) error {
 		err := srv.Shutdown(ctx)
 		<-served
 		return err
-	}, nil
+	}
 }

@@ -8,11 +8,11 @@
 //
 // It also runs the daily retention of done events (OUTBOX_RETENTION_ENABLED,
 // one instance at a time) in every process that has a database (with the
-// dispatcher, the workers or both), sends alerts to Sentry when SENTRY_DSN is set,
-// serves /metrics, /healthz and /readyz on OUTBOX_HTTP_ADDR when set
-// (docs/operations.md), and works a River queue group when
-// OUTBOX_WORKER_QUEUES or OUTBOX_WORKER_GROUP is set, with or without the
-// dispatcher (docs/receivers.md).
+// dispatcher, the workers or both), sends alerts to Sentry when SENTRY_DSN is
+// set, serves /metrics, /healthz, /readyz, the console and River UI on
+// OUTBOX_HTTP_ADDR, 127.0.0.1:9090 by default (docs/console.md), and works a
+// River queue group when OUTBOX_WORKER_QUEUES or OUTBOX_WORKER_GROUP is set,
+// with or without the dispatcher (docs/receivers.md).
 package main
 
 import (
@@ -72,14 +72,12 @@ func run() int {
 
 	if !cfg.DispatcherEnabled && !workersConfigured(cfg) {
 		logger.Warn("dispatcher disabled (OUTBOX_DISPATCHER_ENABLED=false) and no worker queues: this process dispatches nothing; set OUTBOX_DISPATCHER_ENABLED=true to run it")
-		if cfg.HTTPAddr != "" {
-			stopHTTP, err := startHTTP(cfg.HTTPAddr, newHTTPHandler(reg, health{}), logger)
-			if err != nil {
-				logger.Error("cannot start the HTTP listener", slog.String("error", err.Error()))
-				return 1
-			}
-			defer func() { _ = stopHTTP(context.Background()) }()
+		stopHTTP, err := startListener(ctx, cfg, reg, health{}, nil, logger) // console.go
+		if err != nil {
+			logger.Error("cannot start the HTTP listener", slog.String("error", err.Error()))
+			return 1
 		}
+		defer func() { _ = stopHTTP(context.Background()) }()
 		<-ctx.Done()
 		logger.Info("outboxd stopped")
 		return 0
@@ -164,8 +162,8 @@ func run() int {
 		logger.Info("dispatcher disabled (OUTBOX_DISPATCHER_ENABLED=false): this process only runs River workers")
 	}
 
-	if cfg.HTTPAddr != "" {
-		stopHTTP, err := startHTTP(cfg.HTTPAddr, newHTTPHandler(reg, health{pool: pool, d: d, dbURL: cfg.DatabaseURL, logger: logger}), logger)
+	{
+		stopHTTP, err := startListener(ctx, cfg, reg, health{pool: pool, d: d, dbURL: cfg.DatabaseURL, logger: logger}, routes, logger) // console.go
 		if err != nil {
 			logger.Error("cannot start the HTTP listener", slog.String("error", err.Error()))
 			return 1

@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"strings"
 	"time"
 
@@ -54,11 +55,20 @@ type Config struct {
 	SentryDSN         string `envconfig:"SENTRY_DSN"`
 
 	// Operations (docs/operations.md).
-	HTTPAddr             string `envconfig:"OUTBOX_HTTP_ADDR"`
+	HTTPAddr             string `envconfig:"OUTBOX_HTTP_ADDR" default:"127.0.0.1:9090"`
 	RetentionEnabled     bool   `envconfig:"OUTBOX_RETENTION_ENABLED" default:"true"`
 	ListenerAlertAfterMS int    `envconfig:"OUTBOX_LISTENER_ALERT_AFTER_MS" default:"60000"`
 	SentryIncludePayload bool   `envconfig:"OUTBOX_SENTRY_INCLUDE_PAYLOAD" default:"false"`
 	SentryEnvironment    string `envconfig:"SENTRY_ENVIRONMENT"`
+
+	// The console and River UI on the HTTP listener (docs/console.md).
+	ConsoleEnabled  bool   `envconfig:"OUTBOX_CONSOLE_ENABLED" default:"true"`
+	ConsoleToken    string `envconfig:"OUTBOX_CONSOLE_TOKEN"`
+	ConsolePayloads bool   `envconfig:"OUTBOX_CONSOLE_PAYLOADS" default:"false"`
+	RiverUIEnabled  bool   `envconfig:"OUTBOX_RIVERUI_ENABLED" default:"true"`
+	// HTTPAddrDefaulted is true when OUTBOX_HTTP_ADDR is unset (the default
+	// address is used): a taken port is then a warning, not a failure.
+	HTTPAddrDefaulted bool `ignored:"true"`
 
 	// River workers and queue groups (workers.go).
 	Workers
@@ -69,6 +79,11 @@ func Load() (*Config, error) {
 	var c Config
 	if err := envconfig.Process("", &c); err != nil {
 		return nil, explain(err)
+	}
+	_, set := os.LookupEnv("OUTBOX_HTTP_ADDR")
+	c.HTTPAddrDefaulted = !set
+	if c.HTTPAddr == "off" {
+		c.HTTPAddr = ""
 	}
 	if err := c.Validate(); err != nil {
 		return nil, err
@@ -127,8 +142,11 @@ func (c *Config) Validate() error {
 	}
 	if c.HTTPAddr != "" {
 		if _, port, err := net.SplitHostPort(c.HTTPAddr); err != nil || port == "" {
-			errs = append(errs, fmt.Errorf("configuration: OUTBOX_HTTP_ADDR=%q must be host:port, e.g. :9090 or 127.0.0.1:9090 (empty turns the HTTP listener off)", c.HTTPAddr))
+			errs = append(errs, fmt.Errorf("configuration: OUTBOX_HTTP_ADDR=%q must be host:port, e.g. 127.0.0.1:9090 (the default) or :9090, or off (or empty) to turn the HTTP listener off", c.HTTPAddr))
 		}
+	}
+	if c.ConsoleToken != "" && len(c.ConsoleToken) < 16 {
+		errs = append(errs, fmt.Errorf("configuration: OUTBOX_CONSOLE_TOKEN is %d bytes: use at least 16 (e.g. openssl rand -hex 24), or leave it unset for a read-only console", len(c.ConsoleToken)))
 	}
 	switch c.LogFormat {
 	case "text", "json":

@@ -105,3 +105,26 @@ func TestPollOnly(t *testing.T) {
 		t.Fatal("OUTBOX_LISTEN_ENABLED=false did not select poll-only mode")
 	}
 }
+
+// TestHTTPListenerOnByDefaultOnLoopback: unset, OUTBOX_HTTP_ADDR is
+// 127.0.0.1:9090 (and marked as the default); off or empty turns it off; a
+// short console token is refused with its name.
+func TestHTTPListenerOnByDefaultOnLoopback(t *testing.T) {
+	c, err := config.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.HTTPAddr != "127.0.0.1:9090" || !c.HTTPAddrDefaulted || !c.ConsoleEnabled || !c.RiverUIEnabled || c.ConsolePayloads || c.ConsoleToken != "" {
+		t.Fatalf("defaults: %+v", c)
+	}
+	for _, off := range []string{"off", ""} {
+		t.Setenv("OUTBOX_HTTP_ADDR", off)
+		if c, err = config.Load(); err != nil || c.HTTPAddr != "" || c.HTTPAddrDefaulted {
+			t.Fatalf("OUTBOX_HTTP_ADDR=%q: %v %+v", off, err, c)
+		}
+	}
+	t.Setenv("OUTBOX_CONSOLE_TOKEN", "short")
+	if _, err = config.Load(); err == nil || !strings.Contains(err.Error(), "OUTBOX_CONSOLE_TOKEN is 5 bytes") {
+		t.Fatalf("short token: %v", err)
+	}
+}

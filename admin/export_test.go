@@ -1,0 +1,4 @@
+package admin
+
+// EventListSQL is the event list's query, for the plan test.
+const EventListSQL = eventListSQL
