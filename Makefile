@@ -12,7 +12,7 @@ help: ## list the targets
 
 .PHONY: demo
 demo: ## run the demo: a real dispatcher, two River worker groups, a retry, a suppressed duplicate, latency percentiles
-	$(WITH_PG) $(GO) run ./cmd/outbox-demo
+	$(WITH_PG) $(GO) run ./cmd/outbox-demo $(DEMO_FLAGS)
 
 .PHONY: test
 test: ## run every test with -race against a real Postgres

@@ -50,12 +50,13 @@ func main() {
 	invoices := flag.Int("invoices", 300, "invoices to pay")
 	rate := flag.Int("rate", 100, "invoices per second")
 	keep := flag.Bool("keep", false, "keep the demo database (to run outboxctl explain on it afterwards)")
+	serve := flag.Bool("serve", false, "after the summary, keep a dispatcher running with the operator console and River UI until Ctrl-C")
 	flag.Parse()
 	var err error
 	if *receivers {
 		err = runReceivers()
 	} else {
-		err = run(*invoices, *rate, *keep)
+		err = run(*invoices, *rate, *keep, *serve)
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "demo:", err)
@@ -103,7 +104,7 @@ func (h *hookServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	fmt.Fprintf(w, "delivery-%d", h.posts)
 }
 
-func run(invoices, rate int, keep bool) error {
+func run(invoices, rate int, keep, serve bool) error {
 	if invoices < 10 || rate < 1 {
 		return errors.New("-invoices must be at least 10 and -rate at least 1")
 	}
@@ -326,7 +327,45 @@ func run(invoices, rate int, keep bool) error {
 		fmt.Printf("\nThe database %s is kept: DATABASE_URL=%s go run ./cmd/outboxctl explain <event-id>\n", dbName, dbURL)
 	}
 	fmt.Printf("\ndemo finished in %s\n", time.Since(began).Round(100*time.Millisecond))
-	return nil
+	if !serve {
+		fmt.Println("\nTo look at these events in the operator console and River UI, run `make demo DEMO_FLAGS=-serve`:")
+		fmt.Println("it keeps a dispatcher running after the summary and prints the console's address (docs/console.md).")
+		return nil
+	}
+	return serveConsole(ctx, bin, env)
+}
+
+// serveConsole starts one outboxd (dispatcher and the general group) with
+// its HTTP listener on a free loopback port, prints the addresses of the
+// operator console and River UI, and waits for Ctrl-C.
+func serveConsole(ctx context.Context, bin string, env []string) error {
+	procs := &processes{}
+	defer procs.kill()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	addr := ln.Addr().String()
+	_ = ln.Close()
+	if err := procs.start("console", exec.Command(filepath.Join(bin, "outboxd")), append(env,
+		"OUTBOX_DISPATCHER_ENABLED=true", "OUTBOX_WORKER_GROUP=general", "OUTBOX_WORKER_HANDLER=log",
+		"OUTBOX_HTTP_ADDR="+addr)); err != nil {
+		return err
+	}
+	if err := waitUntil(ctx, 20*time.Second, "the console to answer", procs, func() (bool, error) {
+		resp, err := http.Get("http://" + addr + "/console/")
+		if err != nil {
+			return false, nil
+		}
+		_ = resp.Body.Close()
+		return resp.StatusCode == http.StatusOK, nil
+	}); err != nil {
+		return err
+	}
+	fmt.Printf("\noperator console: http://%s/console/\nRiver UI:         http://%s/riverui/\n", addr, addr)
+	fmt.Println("(read-only: set OUTBOX_CONSOLE_TOKEN for requeue and cancel; Ctrl-C stops it and drops the demo database)")
+	<-ctx.Done()
+	return procs.stop(30 * time.Second)
 }
 
 // keptComment marks a database kept with -keep.
