@@ -508,3 +508,26 @@ func TestExplainTellsDeletedJobs(t *testing.T) {
 		t.Fatalf("old handoff, 72 h retention: %+v", ex.Jobs)
 	}
 }
+
+// TestStatsCountsJobsOfRouteKinds: jobs a route gave a kind of its own
+// (they carry the event in their metadata) count in their queue, beside
+// envelope jobs; jobs nobody handed off through the outbox do not.
+func TestStatsCountsJobsOfRouteKinds(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, time.Minute)
+	if _, err := s.Pool.Exec(ctx, `
+		INSERT INTO river_job (kind, queue, args, metadata, state, max_attempts) VALUES
+		  ('outbox_event',       'mail', '{"event_id": 1}', '{}',                         'available', 25),
+		  ('send_invoice_email', 'mail', '{"invoice_id": 1}', '{"outbox_event_id": 2}',  'available', 25),
+		  ('send_invoice_email', 'mail', '{"invoice_id": 2}', '{}',                         'available', 25)`); err != nil {
+		t.Fatal(err)
+	}
+	st, err := admin.New(s.Pool).Stats(ctx, admin.StatsOpts{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(st.Queues) != 1 || st.Queues[0].Queue != "mail" || st.Queues[0].Available != 2 {
+		t.Fatalf("queues %+v, want mail with 2 available (the envelope job and the route-kind job)", st.Queues)
+	}
+}

@@ -139,7 +139,9 @@ FROM unnest(enum_range(NULL::outbox_status)) AS s
 LEFT JOIN outbox_event e ON e.status = s
 GROUP BY s ORDER BY s`
 
-// riverQueuesSQL counts the outbox's River jobs per queue and state;
+// riverQueuesSQL counts the outbox's River jobs per queue and state: the
+// envelope kind, and jobs of any kind a route gave them (they carry the
+// event in their metadata);
 // stalled are running jobs attempted more than $2 s ago.
 const riverQueuesSQL = `
 SELECT queue,
@@ -149,7 +151,7 @@ SELECT queue,
        count(*) FILTER (WHERE state = 'discarded'),
        count(*) FILTER (WHERE state = 'running' AND attempted_at < now() - make_interval(secs => $2))
 FROM river_job
-WHERE kind = $1 AND state IN ('available', 'running', 'retryable', 'discarded')
+WHERE (kind = $1 OR metadata ? 'outbox_event_id') AND state IN ('available', 'running', 'retryable', 'discarded')
 GROUP BY queue ORDER BY queue`
 
 // retentionRunSQL reads the retention job's last finished run
