@@ -531,3 +531,36 @@ func TestStatsCountsJobsOfRouteKinds(t *testing.T) {
 		t.Fatalf("queues %+v, want mail with 2 available (the envelope job and the route-kind job)", st.Queues)
 	}
 }
+
+// TestRoutesSyncDryRunThenRun: a dry run reports the change and writes
+// nothing; the real run writes the routes and an audit row; a bad actor is
+// refused before the database.
+func TestRoutesSyncDryRunThenRun(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, time.Minute)
+	cl := admin.New(s.Pool)
+	routes, err := route.New([]route.Rule{{Prefix: "mail.", Queues: []string{"outbox_mail"}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cl.RoutesSync(ctx, admin.RoutesSyncOpts{Routes: routes, Actor: ""}); !errors.As(err, new(*admin.SelectionError)) {
+		t.Fatalf("empty actor: %v", err)
+	}
+	dry, err := cl.RoutesSync(ctx, admin.RoutesSyncOpts{Routes: routes, Source: "routes.yaml", Actor: "alice", DryRun: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !dry.DryRun || len(dry.Added) != 1 || dry.AuditID != nil || pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_route`) != 0 {
+		t.Fatalf("dry run %+v", dry)
+	}
+	on := true
+	res, err := cl.RoutesSync(ctx, admin.RoutesSyncOpts{Routes: routes, Source: "routes.yaml", Actor: "alice", Strict: &on})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.AuditID == nil || !res.StrictAfter || pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_route`) != 1 ||
+		pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_audit WHERE action = 'routes-sync' AND actor = 'alice'`) != 1 {
+		t.Fatalf("sync %+v", res)
+	}
+}

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/admin"
 	"github.com/outboxhq/outbox/internal/pgtest"
 )
 
@@ -45,7 +46,7 @@ func TestRoutesSyncCommand(t *testing.T) {
 	first := writeRoutes(t, "routes:\n  - prefix: \"mail.\"\n    queue: outbox_mail\n  - prefix: \"audit.\"\n    queue: outbox_audit\n")
 
 	code, out, errOut := routesCtl(t, s, "sync", "--routes", first, "--strict", "on", "--dry-run", "--json", "--actor", "alice")
-	var res routesSyncResult
+	var res admin.RoutesSyncResult
 	if code != 0 || json.Unmarshal([]byte(out), &res) != nil || !res.DryRun || len(res.Added) != 2 || !res.StrictAfter || res.AuditID != nil {
 		t.Fatalf("dry run: exit %d %s %s", code, out, errOut)
 	}
