@@ -165,7 +165,7 @@ routes:
 	// Output:
 	// outbox_audit outbox_event 0 []
 	//   args: {"event_id":42,"event_type":"billing.invoice.paid","tenant_id":null,"payload":{"invoice_id":7,"email":"ada@example.com"},"dispatch_key":null,"created_at":"0001-01-01T00:00:00Z"}
-	//   metadata: {"outbox_event_id":42,"outbox_event_type":"billing.invoice.paid","outbox_created_at":"0001-01-01T00:00:00Z","outbox_args":"envelope"}
+	//   metadata: {"outbox_event_id":42,"outbox_event_type":"billing.invoice.paid"}
 	// mail send_invoice_email 2 [billing]
 	//   args: {"invoice_id":7,"email":"ada@example.com"}
 	//   metadata: {"outbox_event_id":42,"outbox_event_type":"billing.invoice.paid","outbox_created_at":"0001-01-01T00:00:00Z","outbox_args":"payload"}
