@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/outboxhq/outbox/internal/filter"
+	"github.com/outboxhq/outbox/internal/plural"
 )
 
 // Limits of a Selection.
@@ -255,7 +256,7 @@ func (c *Client) Requeue(ctx context.Context, sel Selection, opts RequeueOpts) (
 		if res.DryRun {
 			would = "would be"
 		}
-		res.Warning = fmt.Sprintf("%s %s replayed: River gets a new job for each, so every receiver sees them again; receivers must be idempotent (dedupe on event_id)", plural(n, "done event", "done events"), would)
+		res.Warning = fmt.Sprintf("%s %s replayed: River gets a new job for each, so every receiver sees them again; receivers must be idempotent (dedupe on event_id)", plural.Of(n, "done event", "done events"), would)
 	}
 	return res, nil
 }

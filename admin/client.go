@@ -91,11 +91,3 @@ func checkActor(actor string) error {
 	}
 	return nil
 }
-
-// plural is "1 event" or "2 events": n and the form that agrees with it.
-func plural[N int | int64](n N, one, many string) string {
-	if n == 1 {
-		return "1 " + one
-	}
-	return fmt.Sprintf("%d %s", n, many)
-}

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/outboxhq/outbox/internal/config"
+	"github.com/outboxhq/outbox/internal/plural"
 	"github.com/outboxhq/outbox/metrics"
 	"github.com/outboxhq/outbox/retention"
 	outboxriver "github.com/outboxhq/outbox/river"
@@ -289,15 +290,15 @@ func (res *Stats) raiseAlerts(th Thresholds, stalledAfter time.Duration) {
 		discarded += q.Discarded
 	}
 	alertIf("dispatcher_behind", float64(res.PendingDueOver60s), float64(th.MaxBehind),
-		fmt.Sprintf("%s due for more than 60s (oldest %.0fs): the dispatcher is behind or down", plural(res.PendingDueOver60s, "pending event is", "pending events are"), res.OldestDuePendingAgeS))
+		fmt.Sprintf("%s due for more than 60s (oldest %.0fs): the dispatcher is behind or down", plural.Of(res.PendingDueOver60s, "pending event is", "pending events are"), res.OldestDuePendingAgeS))
 	alertIf("river_jobs_stalled", float64(stalled), float64(th.MaxStalled),
-		fmt.Sprintf("%s been running for more than %s", plural(stalled, "outbox River job has", "outbox River jobs have"), stalledAfter))
+		fmt.Sprintf("%s been running for more than %s", plural.Of(stalled, "outbox River job has", "outbox River jobs have"), stalledAfter))
 	alertIf("events_failed", float64(res.Events["failed"]), float64(th.MaxFailed),
-		fmt.Sprintf("%s failed (dead-lettered or unroutable): fix the cause, then requeue or cancel it", plural(res.Events["failed"], "event is", "events are")))
+		fmt.Sprintf("%s failed (dead-lettered or unroutable): fix the cause, then requeue or cancel it", plural.Of(res.Events["failed"], "event is", "events are")))
 	alertIf("river_jobs_discarded", float64(discarded), float64(th.MaxDiscarded),
-		fmt.Sprintf("%s discarded: the receiver gave up", plural(discarded, "outbox River job is", "outbox River jobs are")))
+		fmt.Sprintf("%s discarded: the receiver gave up", plural.Of(discarded, "outbox River job is", "outbox River jobs are")))
 	if len(res.UnworkedRoutes) > 0 {
 		alertIf("routes_unworked", float64(len(res.UnworkedRoutes)), 0,
-			plural(len(res.UnworkedRoutes), "route sends jobs to a queue that no worker group works", "routes send jobs to queues that no worker group works"))
+			plural.Of(len(res.UnworkedRoutes), "route sends jobs to a queue that no worker group works", "routes send jobs to queues that no worker group works"))
 	}
 }

@@ -40,6 +40,7 @@ import (
 	"github.com/riverqueue/river"
 
 	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/internal/plural"
 	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
 	outboxsql "github.com/outboxhq/outbox/sql"
@@ -508,28 +509,28 @@ func report(ctx context.Context, pool *pgxpool.Pool, in reportInput) error {
 		if g.retried > 0 {
 			extra = fmt.Sprintf("   %d needed a retry", g.retried)
 		}
-		fmt.Printf("    group %-8s %-30s %9s%s\n", g.group, g.queue, plural(g.jobs, "job", "jobs"), extra)
+		fmt.Printf("    group %-8s %-30s %9s%s\n", g.group, g.queue, plural.Of(g.jobs, "job", "jobs"), extra)
 	}
 	fmt.Printf("  mail: mailbox rows            %d   (one per mail event)\n", mailbox)
 	fmt.Printf("  audit: audit_log rows         %d   (one per audit event)\n", audit)
 	fmt.Printf("  webhook: POSTs received       %d   (%d events accepted once each, plus the injected 503)\n", posts, accepted)
 	fmt.Printf("  retry: event %d got 503 on attempt 1; the claim was released and attempt 2 delivered it\n", in.retried)
 	fmt.Printf("  duplicates: events %d (mail) and %d (webhook) each ran as a second job; %s, %s, %s, %s: suppressed\n",
-		in.dupMail, in.retried, plural(dupJobs, "job", "jobs"), plural(dupSuppressed, "receipt", "receipts"),
-		plural(dupMailRows, "mailbox row", "mailbox rows"), plural(acceptedRetried, "accepted POST", "accepted POSTs"))
+		in.dupMail, in.retried, plural.Of(dupJobs, "job", "jobs"), plural.Of(dupSuppressed, "receipt", "receipts"),
+		plural.Of(dupMailRows, "mailbox row", "mailbox rows"), plural.Of(acceptedRetried, "accepted POST", "accepted POSTs"))
 	fmt.Printf("  handoff, event created_at → River job created_at (database clock): p50 %.2f ms, p99 %.2f ms\n", handoffP50, handoffP99)
 	fmt.Printf("  event created_at → first attempt (database clock, both groups): p50 %.2f ms  p90 %.2f ms  p99 %.2f ms\n", startP50, startP90, startP99)
 	fmt.Printf("  commit → mail receiver start (wall clock, other process): p50 %s  p90 %s  p99 %s  max %s\n", pct(0.50), pct(0.90), pct(0.99), pct(1))
 
 	var problems []string
 	if done != in.published || notDone != 0 {
-		problems = append(problems, fmt.Sprintf("%d of %s done", done, plural(in.published, "event", "events")))
+		problems = append(problems, fmt.Sprintf("%d of %s done", done, plural.Of(in.published, "event", "events")))
 	}
 	if mailbox != in.invoices || audit != in.invoices {
-		problems = append(problems, fmt.Sprintf("mailbox %s and audit_log %s, want %d each", plural(mailbox, "row", "rows"), plural(audit, "row", "rows"), in.invoices))
+		problems = append(problems, fmt.Sprintf("mailbox %s and audit_log %s, want %d each", plural.Of(mailbox, "row", "rows"), plural.Of(audit, "row", "rows"), in.invoices))
 	}
 	if accepted != in.webhooks || posts != in.webhooks+1 || acceptedRetried != 1 {
-		problems = append(problems, fmt.Sprintf("webhook: %s, %s accepted, want %d and %d", plural(posts, "POST", "POSTs"), plural(accepted, "event", "events"), in.webhooks+1, in.webhooks))
+		problems = append(problems, fmt.Sprintf("webhook: %s, %s accepted, want %d and %d", plural.Of(posts, "POST", "POSTs"), plural.Of(accepted, "event", "events"), in.webhooks+1, in.webhooks))
 	}
 	if dupJobs != 4 || dupMailRows != 1 || dupSuppressed != 2 {
 		problems = append(problems, "the duplicate deliveries were not suppressed")
@@ -542,14 +543,6 @@ func report(ctx context.Context, pool *pgxpool.Pool, in reportInput) error {
 }
 
 func step(s string) { fmt.Println("==>", s) }
-
-// plural is "1 job" or "2 jobs".
-func plural(n int, one, many string) string {
-	if n == 1 {
-		return "1 " + one
-	}
-	return fmt.Sprintf("%d %s", n, many)
-}
 
 // processes are the demo's child processes; their output is prefixed.
 type processes struct {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/outboxhq/outbox/admin"
 	"github.com/outboxhq/outbox/internal/filter"
+	"github.com/outboxhq/outbox/internal/plural"
 )
 
 // stuckNote explains which processing events requeue and cancel take.
@@ -136,7 +137,7 @@ func printChange(w io.Writer, r *admin.ChangeResult) {
 	if r.DryRun {
 		verb = "would be " + verb
 	}
-	fmt.Fprintf(w, "%s %s", plural(r.Affected, "event", "events"), verb)
+	fmt.Fprintf(w, "%s %s", plural.Of(r.Affected, "event", "events"), verb)
 	if len(r.From) > 0 {
 		fmt.Fprintf(w, " (from %s)", formatCounts(r.From))
 	}

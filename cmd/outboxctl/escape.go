@@ -89,11 +89,3 @@ func jsonEscapeUnsafe(doc []byte) []byte {
 	}
 	return b.Bytes()
 }
-
-// plural is "1 event" or "2 events": n and the form that agrees with it.
-func plural[N int | int64](n N, one, many string) string {
-	if n == 1 {
-		return "1 " + one
-	}
-	return fmt.Sprintf("%d %s", n, many)
-}

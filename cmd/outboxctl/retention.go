@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/outboxhq/outbox/admin"
+	"github.com/outboxhq/outbox/internal/plural"
 	"github.com/outboxhq/outbox/retention"
 )
 
@@ -56,10 +57,10 @@ func runRetention(ctx context.Context, c *cli, args []string) error {
 			"cutoff": res.Cutoff, "dry_run": res.DryRun, "audit_id": res.AuditID})
 	}
 	if res.DryRun {
-		fmt.Fprintf(c.stdout, "dry run: %s processed before %s would be deleted; nothing changed\n", plural(res.Deleted, "done event", "done events"), res.Cutoff.Format(time.RFC3339))
+		fmt.Fprintf(c.stdout, "dry run: %s processed before %s would be deleted; nothing changed\n", plural.Of(res.Deleted, "done event", "done events"), res.Cutoff.Format(time.RFC3339))
 		return nil
 	}
 	fmt.Fprintf(c.stdout, "deleted %s processed before %s in %s; recorded as audit #%d\n",
-		plural(res.Deleted, "done event", "done events"), res.Cutoff.Format(time.RFC3339), plural(res.Batches, "batch", "batches"), res.AuditID)
+		plural.Of(res.Deleted, "done event", "done events"), res.Cutoff.Format(time.RFC3339), plural.Of(res.Batches, "batch", "batches"), res.AuditID)
 	return nil
 }
