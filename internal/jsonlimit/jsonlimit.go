@@ -15,28 +15,20 @@ const MaxDepth = 1000
 // strings do not count. b need not be valid JSON; for invalid input the
 // result is the depth of the bracket structure as written.
 func Depth(b []byte) int {
-	depth, deepest := 0, 0
-	for i := 0; i < len(b); i++ {
-		switch b[i] {
-		case '"':
-			for i++; i < len(b) && b[i] != '"'; i++ {
-				if b[i] == '\\' {
-					i++
-				}
-			}
-		case '{', '[':
-			depth++
-			deepest = max(deepest, depth)
-		case '}', ']':
-			depth--
-		}
-	}
+	deepest, _ := walk(b, -1)
 	return deepest
 }
 
 // Exceeds reports whether b is nested deeper than limit. It stops at the
 // first bracket past the limit, so it is cheap on hostile input.
 func Exceeds(b []byte, limit int) bool {
+	_, over := walk(b, limit)
+	return over
+}
+
+// walk measures the nesting of b and stops as soon as it passes limit
+// (a negative limit never stops it).
+func walk(b []byte, limit int) (deepest int, over bool) {
 	depth := 0
 	for i := 0; i < len(b); i++ {
 		switch b[i] {
@@ -48,12 +40,13 @@ func Exceeds(b []byte, limit int) bool {
 			}
 		case '{', '[':
 			depth++
-			if depth > limit {
-				return true
+			deepest = max(deepest, depth)
+			if limit >= 0 && depth > limit {
+				return deepest, true
 			}
 		case '}', ']':
 			depth--
 		}
 	}
-	return false
+	return deepest, false
 }
