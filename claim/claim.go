@@ -466,16 +466,9 @@ func (h *Handoff) one(ctx context.Context, id int64, batchErr error) (Result, er
 	if batchErr != nil && !errors.Is(err, batchErr) {
 		err = fmt.Errorf("%w (batch: %w)", err, batchErr)
 	}
-	failed, err := h.recordFailure(ctx, events[0], err)
-	if err != nil {
-		return res, err
-	}
-	if failed {
-		res.DeadLettered = 1
-	} else {
-		res.Retried = 1
-	}
-	return res, nil
+	charged, err := h.charge(ctx, events[0], err)
+	res.add(charged)
+	return res, err
 }
 
 // TimeoutsBeforeCharge is how many times in a row an event's handoff may
@@ -503,16 +496,24 @@ func (h *Handoff) loneTimeout(ctx context.Context, e Event, cause error) (Result
 	if n < TimeoutsBeforeCharge {
 		return res, nil
 	}
-	failed, err := h.recordFailure(ctx, e, fmt.Errorf("handoff timed out %d times in a row with the event alone in its transaction (the River insert or the update of this event blocks or is too slow): %w", n, cause))
-	if err != nil {
-		return res, err
-	}
-	if failed {
+	charged, err := h.charge(ctx, e, fmt.Errorf("handoff timed out %d times in a row with the event alone in its transaction (the River insert or the update of this event blocks or is too slow): %w", n, cause))
+	res.add(charged)
+	return res, err
+}
+
+// charge records a failed attempt of e (recordFailure) and counts it as
+// retried or, past the last attempt, dead-lettered.
+func (h *Handoff) charge(ctx context.Context, e Event, cause error) (Result, error) {
+	var res Result
+	failed, err := h.recordFailure(ctx, e, cause)
+	switch {
+	case err != nil:
+	case failed:
 		res.DeadLettered = 1
-	} else {
+	default:
 		res.Retried = 1
 	}
-	return res, nil
+	return res, err
 }
 
 func (h *Handoff) forgetTimeouts(id int64) {
