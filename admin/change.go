@@ -17,11 +17,11 @@ import (
 const (
 	// DefaultLimit is the most events one Requeue or Cancel changes when
 	// Selection.Limit is 0.
-	DefaultLimit = 1000
+	DefaultLimit = filter.DefaultLimit
 	// MaxLimit is the largest Selection.Limit.
-	MaxLimit = 100000
+	MaxLimit = filter.MaxLimit
 	// MaxIDs is the most ids one Selection may name.
-	MaxIDs = 10000
+	MaxIDs = filter.MaxIDs
 )
 
 // Selection picks the events that Requeue or Cancel change. Every field
