@@ -28,6 +28,13 @@ type Backlog struct {
 	// NextDue is when the earliest scheduled event falls due (the zero
 	// time when none), by the database's clock.
 	NextDue time.Time `json:"next_scheduled_due_at"`
+	// NextDueIn is how long until NextDue, by the database's clock (0
+	// when none is scheduled).
+	NextDueIn time.Duration `json:"next_scheduled_due_in_ns"`
+	// Failed and Processing count the rows in those statuses (dead letters,
+	// and rows a dispatcher of another version left processing).
+	Failed     int64 `json:"failed"`
+	Processing int64 `json:"processing"`
 }
 
 // backlogSQL reads a Backlog. $1 is the "behind" threshold in seconds.
@@ -39,31 +46,38 @@ type Backlog struct {
 // with it (outboxctl stats runs one REPEATABLE READ, read-only
 // transaction).
 const backlogSQL = `
-SELECT count(*) FILTER (WHERE scheduled_at <= now()),
-       count(*) FILTER (WHERE scheduled_at <= now() - make_interval(secs => $1)),
-       coalesce(extract(epoch FROM now() - min(scheduled_at) FILTER (WHERE scheduled_at <= now())), 0)::float8,
-       count(*) FILTER (WHERE scheduled_at > now()),
-       min(scheduled_at) FILTER (WHERE scheduled_at > now())
+SELECT count(*) FILTER (WHERE status = 'pending' AND scheduled_at <= now()),
+       count(*) FILTER (WHERE status = 'pending' AND scheduled_at <= now() - make_interval(secs => $1)),
+       coalesce(extract(epoch FROM now() - min(scheduled_at) FILTER (WHERE status = 'pending' AND scheduled_at <= now())), 0)::float8,
+       count(*) FILTER (WHERE status = 'pending' AND scheduled_at > now()),
+       min(scheduled_at) FILTER (WHERE status = 'pending' AND scheduled_at > now()),
+       coalesce(extract(epoch FROM min(scheduled_at) FILTER (WHERE status = 'pending' AND scheduled_at > now()) - now()), 0)::float8,
+       count(*) FILTER (WHERE status = 'failed'),
+       count(*) FILTER (WHERE status = 'processing')
 FROM outbox_event
-WHERE status = 'pending'`
+WHERE status IN ('pending', 'processing', 'failed')`
 
 // Querier is what ReadBacklog needs: a pgx.Tx, *pgx.Conn or *pgxpool.Pool.
 type Querier interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
-// ReadBacklog reads the pending events split into due and scheduled; due
-// events older than behind count in DueOver.
+// ReadBacklog reads the pending events split into due and scheduled (due
+// events older than behind count in DueOver) and the failed and processing
+// counts, in one statement: the gauges of every scrape and outboxctl stats
+// read the same figures the same way.
 func ReadBacklog(ctx context.Context, q Querier, behind time.Duration) (Backlog, error) {
 	var (
 		b       Backlog
 		oldestS float64
+		nextS   float64
 		next    *time.Time
 	)
-	if err := q.QueryRow(ctx, backlogSQL, behind.Seconds()).Scan(&b.Due, &b.DueOver, &oldestS, &b.Scheduled, &next); err != nil {
+	if err := q.QueryRow(ctx, backlogSQL, behind.Seconds()).Scan(&b.Due, &b.DueOver, &oldestS, &b.Scheduled, &next, &nextS, &b.Failed, &b.Processing); err != nil {
 		return Backlog{}, fmt.Errorf("read the pending backlog: %w", err)
 	}
 	b.OldestDueAge = time.Duration(oldestS * float64(time.Second))
+	b.NextDueIn = time.Duration(nextS * float64(time.Second))
 	if next != nil {
 		b.NextDue = *next
 	}

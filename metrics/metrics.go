@@ -197,6 +197,10 @@ func (m *Metrics) Alerter(next alert.Alerter) alert.Alerter {
 // dbCollector reads the table gauges at scrape time.
 type dbCollector struct{ m *Metrics }
 
+// behindAfter is how long past due a pending event counts as behind
+// (outbox_pending_due_over_60s_events).
+const behindAfter = 60 * time.Second
+
 var (
 	descPending     = prometheus.NewDesc("outbox_pending_events", "Pending events (due or scheduled later).", nil, nil)
 	descDue         = prometheus.NewDesc("outbox_pending_due_events", "Pending events that are due now (the dispatcher's backlog).", nil, nil)
@@ -208,24 +212,6 @@ var (
 	descProcessing  = prometheus.NewDesc("outbox_processing_events", "Events in status processing.", nil, nil)
 	descScrapeError = prometheus.NewDesc("outbox_database_up", "1 when the scrape-time query of the outbox table succeeded.", nil, nil)
 )
-
-// gaugesSQL reads every table gauge in one statement; each FILTER is over
-// rows the partial indexes (claim, processing, dead) hold, never done rows.
-// Pending events are split at now(): due ones are the dispatcher's backlog,
-// scheduled ones (published with a NotBefore, or waiting out a retry's
-// backoff) are waiting on purpose. Counting the scheduled ones reads every
-// pending row, like the pending count always did: about 25 ms per 100,000.
-const gaugesSQL = `
-SELECT count(*) FILTER (WHERE status = 'pending'),
-       count(*) FILTER (WHERE status = 'pending' AND scheduled_at <= now()),
-       count(*) FILTER (WHERE status = 'pending' AND scheduled_at <= now() - interval '60 seconds'),
-       coalesce(extract(epoch FROM now() - min(scheduled_at) FILTER (WHERE status = 'pending' AND scheduled_at <= now())), 0)::float8,
-       count(*) FILTER (WHERE status = 'failed'),
-       count(*) FILTER (WHERE status = 'processing'),
-       count(*) FILTER (WHERE status = 'pending' AND scheduled_at > now()),
-       coalesce(extract(epoch FROM min(scheduled_at) FILTER (WHERE status = 'pending' AND scheduled_at > now()) - now()), 0)::float8
-FROM outbox_event
-WHERE status IN ('pending', 'processing', 'failed')`
 
 func (c *dbCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descPending, descDue, descScheduled, descNextDue, descBehind, descOldest, descFailedNow, descProcessing, descScrapeError} {
@@ -240,20 +226,18 @@ func (c *dbCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), c.m.cfg.QueryTimeout)
 	defer cancel()
-	var pending, due, behind, failed, processing, scheduled int64
-	var oldest, nextDue float64
-	err := pool.QueryRow(ctx, gaugesSQL).Scan(&pending, &due, &behind, &oldest, &failed, &processing, &scheduled, &nextDue)
+	b, err := ReadBacklog(ctx, pool, behindAfter)
 	if err != nil {
 		ch <- prometheus.MustNewConstMetric(descScrapeError, prometheus.GaugeValue, 0)
 		return
 	}
 	ch <- prometheus.MustNewConstMetric(descScrapeError, prometheus.GaugeValue, 1)
-	ch <- prometheus.MustNewConstMetric(descPending, prometheus.GaugeValue, float64(pending))
-	ch <- prometheus.MustNewConstMetric(descDue, prometheus.GaugeValue, float64(due))
-	ch <- prometheus.MustNewConstMetric(descScheduled, prometheus.GaugeValue, float64(scheduled))
-	ch <- prometheus.MustNewConstMetric(descNextDue, prometheus.GaugeValue, nextDue)
-	ch <- prometheus.MustNewConstMetric(descBehind, prometheus.GaugeValue, float64(behind))
-	ch <- prometheus.MustNewConstMetric(descOldest, prometheus.GaugeValue, oldest)
-	ch <- prometheus.MustNewConstMetric(descFailedNow, prometheus.GaugeValue, float64(failed))
-	ch <- prometheus.MustNewConstMetric(descProcessing, prometheus.GaugeValue, float64(processing))
+	ch <- prometheus.MustNewConstMetric(descPending, prometheus.GaugeValue, float64(b.Due+b.Scheduled))
+	ch <- prometheus.MustNewConstMetric(descDue, prometheus.GaugeValue, float64(b.Due))
+	ch <- prometheus.MustNewConstMetric(descScheduled, prometheus.GaugeValue, float64(b.Scheduled))
+	ch <- prometheus.MustNewConstMetric(descNextDue, prometheus.GaugeValue, b.NextDueIn.Seconds())
+	ch <- prometheus.MustNewConstMetric(descBehind, prometheus.GaugeValue, float64(b.DueOver))
+	ch <- prometheus.MustNewConstMetric(descOldest, prometheus.GaugeValue, b.OldestDueAge.Seconds())
+	ch <- prometheus.MustNewConstMetric(descFailedNow, prometheus.GaugeValue, float64(b.Failed))
+	ch <- prometheus.MustNewConstMetric(descProcessing, prometheus.GaugeValue, float64(b.Processing))
 }
