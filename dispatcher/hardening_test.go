@@ -202,22 +202,25 @@ func TestSlowCommitDoesNotLoseTheWake(t *testing.T) {
 		}
 	}
 	held := time.Now()
-	pgtest.WaitFor(t, 3*time.Second, "the dispatcher queued for the wake key", func() bool {
+	pgtest.WaitFor(t, 20*time.Second, "the dispatcher queued for the wake key", func() bool {
 		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'
 			AND classid = 1868720215 AND objid = $1::int4::oid AND mode = 'ExclusiveLock' AND NOT granted`, key) == 1
 	})
 	// Meanwhile another producer commits: the dispatcher, queued for the
 	// key, makes it notify, and must not be stuck behind the slow commit.
+	// The slow transaction stays open until this event is handed off, so
+	// the deadline (generous, below the 60 s poll) only bounds a failure.
 	other := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcomed", Payload: json.RawMessage(`{}`)})[0]
-	pgtest.WaitFor(t, 3*time.Second, "an event committed during the slow commit handed off", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "an event committed during the slow commit handed off while it is still open", func() bool {
 		return status(t, s.Pool, other) == "done"
 	})
-	// The slow commit takes 4 s (a slow fsync, a synchronous replica).
+	// The slow commit takes at least 4 s (a slow fsync, a synchronous
+	// replica): the fault's duration, not a wait for a signal.
 	time.Sleep(time.Until(held.Add(4 * time.Second)))
 	if err := slowTx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	pgtest.WaitFor(t, 3*time.Second, "the event behind the slow commit handed off (poll is 60 s)", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "the event behind the slow commit handed off (poll is 60 s)", func() bool {
 		return status(t, s.Pool, slowID.Load()) == "done"
 	})
 }
@@ -272,7 +275,7 @@ func TestWakeWithUserSchemaFirstInSearchPath(t *testing.T) {
 			AND classid = 1868720215 AND objid = $1::int4::oid AND granted`, key) == 1
 	})
 	id := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcomed", Payload: json.RawMessage(`{}`)})[0]
-	pgtest.WaitFor(t, 10*time.Second, "the event handed off on NOTIFY (poll is a minute away)", func() bool {
+	pgtest.WaitFor(t, 20*time.Second, "the event handed off on NOTIFY (poll is a minute away)", func() bool {
 		return status(t, s.Pool, id) == "done"
 	})
 }

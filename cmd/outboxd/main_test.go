@@ -193,7 +193,7 @@ func TestDispatchesAndStopsCleanly(t *testing.T) {
 	s := pgtest.NewSchema(t, nil)
 	routes, _ := filepath.Abs("../../docs/examples/routes.yaml")
 	cmd, out := daemon(t, "OUTBOX_DISPATCHER_ENABLED=true", "OUTBOX_ROUTES_FILE="+routes, "DATABASE_URL="+s.URL,
-		"OUTBOX_DISPATCH_INTERVAL_MS=10000", "OUTBOX_LOG_FORMAT=json")
+		"OUTBOX_DISPATCH_INTERVAL_MS=60000", "OUTBOX_LOG_FORMAT=json")
 	waitLog(t, out, "outbox listener connected")
 	ctx := context.Background()
 	var id int64
@@ -201,8 +201,8 @@ func TestDispatchesAndStopsCleanly(t *testing.T) {
 		t.Fatal(err)
 	}
 	var queue string
-	// 5 s, half the poll interval: the wake, not the poll, hands it off.
-	pgtest.WaitFor(t, 5*time.Second, "the event to be handed off on the wake (poll interval 10 s)", func() bool {
+	// Half the poll interval: the wake, not the poll, hands it off.
+	pgtest.WaitFor(t, 30*time.Second, "the event to be handed off on the wake (poll interval 60 s)", func() bool {
 		var status string
 		err := s.Pool.QueryRow(ctx, `SELECT e.status::text, coalesce(j.queue, '') FROM outbox_event e LEFT JOIN river_job j ON j.id = e.river_job_ids[1] WHERE e.id = $1`, id).Scan(&status, &queue)
 		if err != nil {
