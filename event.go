@@ -447,9 +447,9 @@ func traceContext(ctx context.Context) string {
 const publishManySQL = `SELECT ord, duplicate, id FROM outbox_publish_many($1::text[], $2::jsonb[], $3::text[], $4::text[])`
 
 // publishManyDelayedSQL is publishManySQL with the due times (migration
-// 008): NULL elements are due now. It is used only when some event has a
+// 010): NULL elements are due now. It is used only when some event has a
 // NotBefore, so that producers that delay nothing also work against a
-// schema migrated before 008.
+// schema migrated before 010.
 const publishManyDelayedSQL = `SELECT ord, duplicate, id FROM outbox_publish_many($1::text[], $2::jsonb[], $3::text[], $4::text[], not_befores => $5::timestamptz[])`
 
 // publishManyTracedSQL is publishManySQL with the trace context of the

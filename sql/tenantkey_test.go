@@ -170,8 +170,8 @@ func TestMigrateRecoversInterruptedConcurrentIndex(t *testing.T) {
 
 	// Forget that 6 ran: it runs again, statement by statement, unharmed.
 	// 8 and 10 run again too: 006 recreates the four-parameter publish
-	// functions, which 008 replaced with five-parameter ones and 010 with
-	// six-parameter ones (two of each would make every call ambiguous).
+	// functions, which 010 replaced with six-parameter ones (two of each
+	// would make every call ambiguous).
 	if _, err := s.Pool.Exec(ctx, `DELETE FROM outbox_schema_migration WHERE version IN (6, 8, 10)`); err != nil {
 		t.Fatal(err)
 	}

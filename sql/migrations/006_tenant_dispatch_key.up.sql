@@ -44,7 +44,22 @@ CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS outbox_event_tenant_dispatch_key_
 BEGIN;
 
 -- outbox_publish: a duplicate is a stored event with the same tenant (or
--- none) and the same key. Everything else is as in migration 005.
+-- none) and the same key. It applies the payload rule of migration 005
+-- first, so that it names it before the INSERT.
+--
+-- Duplicate dispatch keys and isolation levels. The duplicate gets the
+-- first event's id when that event is visible to the caller: committed
+-- before the caller's snapshot (any isolation level), written earlier in the
+-- same transaction, or, under READ COMMITTED, committed while this INSERT
+-- waited for it (the lookup after the INSERT is a new statement with a new
+-- snapshot). Under REPEATABLE READ and SERIALIZABLE, a first event that
+-- commits after the caller's snapshot was taken (before or while this
+-- INSERT runs) is invisible to the caller for the rest of its transaction:
+-- ON CONFLICT raises 40001 (serialization_failure), and no function can
+-- return an id its caller's snapshot cannot see. Retry the transaction: the
+-- retry sees the first event and gets its id. The error is not caught here
+-- on purpose: catching it needs a subtransaction on every call, and the
+-- caller's retry loop must see 40001 to retry.
 CREATE OR REPLACE FUNCTION outbox_publish(
     event_type   text,
     payload      jsonb,
@@ -105,7 +120,25 @@ BEGIN
 END
 $$;
 
--- outbox_publish(text, text, ...): as in migration 005.
+-- outbox_publish with the payload as text, so that the function, not the
+-- cast to jsonb, refuses a bad payload and names it: malformed JSON, a
+-- \u0000 escape, an unpaired surrogate escape, a number outside numeric's
+-- range or nesting too deep to parse each raise 22023 naming "payload" and
+-- the rule (the cast's error is caught inside the function and re-raised, so
+-- the caller's transaction sees that one error and nothing else). Then it
+-- calls the jsonb version, which applies every other rule.
+--
+-- Which overload runs: a call with an untyped string literal
+-- (outbox_publish('a.b.c', '{"a": 1}')), with NULL, or with a parameter of
+-- unspecified type ($2 from a driver) resolves to this text version,
+-- because Postgres prefers the string category for an unknown argument; a
+-- payload typed jsonb ('{}'::jsonb, a jsonb column, jsonb_build_object)
+-- resolves to the jsonb version. Named arguments resolve the same way.
+--
+-- A raw NUL byte never reaches this function: Postgres text cannot hold it,
+-- and the server refuses the parameter or query text itself with 22021
+-- (invalid byte sequence for encoding "UTF8": 0x00), before any function
+-- runs, and without naming the field. Invalid UTF-8 fails the same way.
 CREATE OR REPLACE FUNCTION outbox_publish(
     event_type   text,
     payload      text,
@@ -156,7 +189,7 @@ $$;
 -- Duplicates are then looked up in a second statement: under READ
 -- COMMITTED it sees a key committed by another transaction while the insert
 -- waited. Under REPEATABLE READ and SERIALIZABLE, such a key raises 40001
--- instead (see outbox_publish in migration 005): retry the transaction.
+-- instead (see outbox_publish above): retry the transaction.
 CREATE OR REPLACE FUNCTION outbox_publish_many(
     event_types   text[],
     payloads      jsonb[],

@@ -1,9 +1,11 @@
--- 008: delayed events and strict routing at publish.
+-- 008: strict routing at publish, and the rule for delayed events.
 --
--- Delayed events. outbox_publish (both overloads) takes an optional,
--- named not_before timestamptz (DEFAULT NULL) and outbox_publish_many an
--- optional not_befores timestamptz[] (DEFAULT NULL: none delayed; a NULL
--- element: that event is not delayed). The event's scheduled_at is
+-- Delayed events. The publish functions take an optional, named
+-- not_before timestamptz (outbox_publish) and not_befores timestamptz[]
+-- (outbox_publish_many; a NULL element: that event is not delayed): they
+-- are defined once with their final parameters in 010, which adds the trace
+-- context beside it (this migration defines no publish function: a copy
+-- here would be replaced two migrations later). The event's scheduled_at is
 -- GREATEST(now(), not_before): NULL or a time in the past means now, and
 -- the database's clock decides, never the producer's. The claim takes only
 -- rows with scheduled_at <= now(), so a delayed event stays pending and
@@ -13,19 +15,12 @@
 -- returns the stored event's id and ignores the new due time, as it
 -- ignores the new payload.
 --
--- Adding a parameter changes a function's signature, and a second function
--- with the old four parameters would make every existing call ambiguous, so
--- the old functions are dropped and recreated with the new parameter last,
--- in this migration's transaction: positional and named calls written for
--- the old signatures resolve to the new ones unchanged. EXECUTE is granted
--- again as in 006 (producer and operator only), and search_path is pinned.
---
 -- Strict routing. outbox_route holds the prefixes of the routes file as
 -- `outboxctl routes sync` last wrote them (prefix, queues), and
 -- outbox_route_setting (one row) says whether strict routing is on. With
 -- strict on, every INSERT into outbox_event whose event_type no synced
 -- prefix matches is refused with 22023 naming the type and the fix: the
--- publish functions check first, so that they can name the batch position
+-- publish functions (010) check first, so that they can name the batch position
 -- (event_types[3]); a trigger checks every inserted row, so a plain INSERT
 -- by a producer is held to the same rule. A prefix matches
 -- as route.PrefixMatches does: a prefix ending in a dot matches the types
@@ -35,8 +30,7 @@
 -- Producers need no new grant.
 --
 -- Every statement is idempotent (IF NOT EXISTS, OR REPLACE, IF EXISTS), so
--- that running it again is harmless, and so that it repairs the functions
--- if 006 (which creates the four-parameter ones) is ever run again after it.
+-- that running it again is harmless.
 --
 -- Grants, in the style of 007: the operator changes the synced routes
 -- through outbox_routes_sync, a SECURITY DEFINER function that replaces the
@@ -113,241 +107,6 @@ BEGIN
             FOR EACH ROW EXECUTE FUNCTION outbox_event_strict_route();
         ALTER TABLE outbox_event DISABLE TRIGGER outbox_event_strict_route;
     END IF;
-END
-$$;
-
-DROP FUNCTION IF EXISTS outbox_publish(text, text, text, text);
-DROP FUNCTION IF EXISTS outbox_publish(text, jsonb, text, text);
-DROP FUNCTION IF EXISTS outbox_publish_many(text[], jsonb[], text[], text[]);
-
--- outbox_publish: as in 006, plus not_before and strict routing.
-CREATE OR REPLACE FUNCTION outbox_publish(
-    event_type   text,
-    payload      jsonb,
-    tenant_id    text        DEFAULT NULL,
-    dispatch_key text        DEFAULT NULL,
-    not_before   timestamptz DEFAULT NULL
-) RETURNS bigint
-LANGUAGE plpgsql SECURITY DEFINER AS $$
-#variable_conflict use_column
-DECLARE
-    event_id bigint;
-    problem  text;
-BEGIN
-    IF event_type IS NULL THEN
-        RAISE EXCEPTION 'outbox_publish: event_type is required'
-            USING ERRCODE = '22023', HINT = 'use <domain>.<entity>.<verb>, e.g. billing.invoice.paid';
-    END IF;
-    IF octet_length(event_type) > 255 THEN
-        RAISE EXCEPTION 'outbox_publish: event_type is % bytes, the limit is 255', octet_length(event_type)
-            USING ERRCODE = '22023';
-    END IF;
-    IF event_type !~ '^[a-z0-9]+(-[a-z0-9]+)*(\.[a-z0-9]+(-[a-z0-9]+)*){2,}$' THEN
-        RAISE EXCEPTION 'outbox_publish: event_type % must be at least three dot-separated segments of lowercase [a-z0-9] with inner dashes', quote_literal(event_type)
-            USING ERRCODE = '22023', HINT = 'e.g. billing.invoice.paid or plugin.capability-use.granted';
-    END IF;
-    problem := outbox_payload_problem(payload);
-    IF problem IS NOT NULL THEN
-        RAISE EXCEPTION 'outbox_publish: payload %', problem
-            USING ERRCODE = '22023';
-    END IF;
-    IF tenant_id IS NOT NULL AND (octet_length(tenant_id) < 1 OR octet_length(tenant_id) > 128) THEN
-        RAISE EXCEPTION 'outbox_publish: tenant_id must be 1 to 128 bytes (got %)', octet_length(tenant_id)
-            USING ERRCODE = '22023';
-    END IF;
-    IF dispatch_key IS NOT NULL AND (octet_length(dispatch_key) < 1 OR octet_length(dispatch_key) > 256) THEN
-        RAISE EXCEPTION 'outbox_publish: dispatch_key must be 1 to 256 bytes (got %)', octet_length(dispatch_key)
-            USING ERRCODE = '22023';
-    END IF;
-    IF not_before > now() + interval '8760 hours' THEN
-        RAISE EXCEPTION 'outbox_publish: not_before % is more than 365 days (8760 hours) after the database''s now() (%), the limit is 365 days', not_before, now()
-            USING ERRCODE = '22023', COLUMN = 'not_before', CONSTRAINT = 'outbox_max_delay',
-                  HINT = 'keep far-future due times in your own table and publish within a year of them';
-    END IF;
-    IF (SELECT s.strict FROM outbox_route_setting s) AND NOT EXISTS (SELECT 1 FROM outbox_route r WHERE r.prefix = event_type OR (right(r.prefix, 1) = '.' AND starts_with(event_type, r.prefix))) THEN
-        RAISE EXCEPTION 'outbox_publish: event_type % matches no synced route (strict routing is on)', quote_literal(event_type)
-            USING ERRCODE = '22023', COLUMN = 'event_type', CONSTRAINT = 'outbox_route_strict', HINT = outbox_route_strict_hint();
-    END IF;
-
-    INSERT INTO outbox_event AS e (event_type, payload, tenant_id, dispatch_key, scheduled_at)
-    VALUES (outbox_publish.event_type, outbox_publish.payload, outbox_publish.tenant_id, outbox_publish.dispatch_key,
-            GREATEST(now(), outbox_publish.not_before))
-    ON CONFLICT DO NOTHING
-    RETURNING e.id INTO event_id;
-
-    IF event_id IS NULL AND outbox_publish.dispatch_key IS NOT NULL THEN
-        SELECT e.id INTO event_id FROM outbox_event e
-        WHERE COALESCE(e.tenant_id, '') = COALESCE(outbox_publish.tenant_id, '')
-          AND e.dispatch_key = outbox_publish.dispatch_key;
-    END IF;
-    IF event_id IS NULL THEN
-        RAISE EXCEPTION 'outbox_publish: the event conflicts with a stored row that holds neither its tenant and dispatch key nor its id'
-            USING ERRCODE = '23505', HINT = 'an event id was taken outside the identity sequence (INSERT ... OVERRIDING SYSTEM VALUE)';
-    END IF;
-    RETURN event_id;
-END
-$$;
-
--- outbox_publish(text, text, ...): as in 006, plus not_before.
-CREATE OR REPLACE FUNCTION outbox_publish(
-    event_type   text,
-    payload      text,
-    tenant_id    text        DEFAULT NULL,
-    dispatch_key text        DEFAULT NULL,
-    not_before   timestamptz DEFAULT NULL
-) RETURNS bigint
-LANGUAGE plpgsql SECURITY DEFINER AS $$
-DECLARE
-    body   jsonb;
-    detail text;
-BEGIN
-    BEGIN
-        body := payload::jsonb;
-    EXCEPTION
-        WHEN untranslatable_character THEN
-            RAISE EXCEPTION 'outbox_publish: payload contains \u0000, which Postgres'' jsonb cannot store'
-                USING ERRCODE = '22023', HINT = 'remove the NUL character, or encode binary data (base64)';
-        WHEN invalid_text_representation THEN
-            GET STACKED DIAGNOSTICS detail = PG_EXCEPTION_DETAIL;
-            IF detail ILIKE '%surrogate%' THEN
-                RAISE EXCEPTION 'outbox_publish: payload has an unpaired surrogate escape, which Postgres'' jsonb cannot store (%)', detail
-                    USING ERRCODE = '22023';
-            END IF;
-            RAISE EXCEPTION 'outbox_publish: payload is not valid JSON (%)', coalesce(detail, SQLERRM)
-                USING ERRCODE = '22023';
-        WHEN numeric_value_out_of_range THEN
-            RAISE EXCEPTION 'outbox_publish: payload has a number outside the range of Postgres'' numeric'
-                USING ERRCODE = '22023';
-        WHEN statement_too_complex THEN
-            RAISE EXCEPTION 'outbox_publish: payload is nested too deep to parse, the limit is 1000'
-                USING ERRCODE = '22023';
-    END;
-    RETURN outbox_publish(event_type, body, tenant_id, dispatch_key, not_before);
-END
-$$;
-
--- outbox_publish_many: as in 006, plus not_befores and strict routing.
--- The tenant-blind fallback lookups of 006 (only needed while 006 ran) are
--- gone: the old index was dropped at the end of 006.
-CREATE OR REPLACE FUNCTION outbox_publish_many(
-    event_types   text[],
-    payloads      jsonb[],
-    tenant_ids    text[]        DEFAULT NULL,
-    dispatch_keys text[]        DEFAULT NULL,
-    not_befores   timestamptz[] DEFAULT NULL
-) RETURNS TABLE (ord bigint, duplicate boolean, id bigint)
-LANGUAGE plpgsql SECURITY DEFINER AS $$
-#variable_conflict use_column
-DECLARE
-    n    int := coalesce(cardinality(event_types), 0);
-    bad  record;
-    ords bigint[];
-    dups boolean[];
-    ids  bigint[];
-    at   int;
-BEGIN
-    IF coalesce(cardinality(payloads), 0) <> n
-       OR coalesce(cardinality(tenant_ids), n) <> n
-       OR coalesce(cardinality(dispatch_keys), n) <> n
-       OR coalesce(cardinality(not_befores), n) <> n THEN
-        RAISE EXCEPTION 'outbox_publish_many: event_types, payloads, tenant_ids, dispatch_keys and not_befores must have one element per event (got %, %, %, %, %)',
-            n, coalesce(cardinality(payloads), 0), cardinality(tenant_ids), cardinality(dispatch_keys), cardinality(not_befores)
-            USING ERRCODE = '22023', HINT = 'pass NULL for tenant_ids, dispatch_keys or not_befores to leave them out';
-    END IF;
-    IF n > 10000 THEN
-        RAISE EXCEPTION 'outbox_publish_many: % events, the limit is 10000; split the batch', n
-            USING ERRCODE = '22023';
-    END IF;
-    IF n = 0 THEN
-        RETURN;
-    END IF;
-
-    SELECT t.i, t.event_type, t.tenant_id, t.dispatch_key, t.not_before, outbox_payload_problem(t.payload) AS problem
-    INTO bad
-    FROM unnest(event_types, payloads, tenant_ids, dispatch_keys, not_befores) WITH ORDINALITY
-         AS t(event_type, payload, tenant_id, dispatch_key, not_before, i)
-    WHERE t.event_type IS NULL
-       OR octet_length(t.event_type) > 255
-       OR t.event_type !~ '^[a-z0-9]+(-[a-z0-9]+)*(\.[a-z0-9]+(-[a-z0-9]+)*){2,}$'
-       OR outbox_payload_problem(t.payload) IS NOT NULL
-       OR octet_length(t.tenant_id) NOT BETWEEN 1 AND 128
-       OR octet_length(t.dispatch_key) NOT BETWEEN 1 AND 256
-       OR t.not_before > now() + interval '8760 hours'
-    ORDER BY t.i
-    LIMIT 1;
-    IF FOUND THEN
-        IF bad.event_type IS NULL THEN
-            RAISE EXCEPTION 'outbox_publish_many: event_types[%] is required', bad.i
-                USING ERRCODE = '22023', HINT = 'use <domain>.<entity>.<verb>, e.g. billing.invoice.paid';
-        ELSIF octet_length(bad.event_type) > 255 THEN
-            RAISE EXCEPTION 'outbox_publish_many: event_types[%] is % bytes, the limit is 255', bad.i, octet_length(bad.event_type)
-                USING ERRCODE = '22023';
-        ELSIF bad.event_type !~ '^[a-z0-9]+(-[a-z0-9]+)*(\.[a-z0-9]+(-[a-z0-9]+)*){2,}$' THEN
-            RAISE EXCEPTION 'outbox_publish_many: event_types[%] % must be at least three dot-separated segments of lowercase [a-z0-9] with inner dashes', bad.i, quote_literal(bad.event_type)
-                USING ERRCODE = '22023', HINT = 'e.g. billing.invoice.paid or plugin.capability-use.granted';
-        ELSIF bad.problem IS NOT NULL THEN
-            RAISE EXCEPTION 'outbox_publish_many: payloads[%] %', bad.i, bad.problem
-                USING ERRCODE = '22023';
-        ELSIF bad.tenant_id IS NOT NULL AND octet_length(bad.tenant_id) NOT BETWEEN 1 AND 128 THEN
-            RAISE EXCEPTION 'outbox_publish_many: tenant_ids[%] must be 1 to 128 bytes (got %)', bad.i, octet_length(bad.tenant_id)
-                USING ERRCODE = '22023';
-        ELSIF bad.dispatch_key IS NOT NULL AND octet_length(bad.dispatch_key) NOT BETWEEN 1 AND 256 THEN
-            RAISE EXCEPTION 'outbox_publish_many: dispatch_keys[%] must be 1 to 256 bytes (got %)', bad.i, octet_length(bad.dispatch_key)
-                USING ERRCODE = '22023';
-        ELSE
-            RAISE EXCEPTION 'outbox_publish_many: not_befores[%] % is more than 365 days (8760 hours) after the database''s now() (%), the limit is 365 days', bad.i, bad.not_before, now()
-                USING ERRCODE = '22023', COLUMN = 'not_before', CONSTRAINT = 'outbox_max_delay',
-                      HINT = 'keep far-future due times in your own table and publish within a year of them';
-        END IF;
-    END IF;
-
-    IF (SELECT s.strict FROM outbox_route_setting s) THEN
-        SELECT t.i, t.event_type INTO bad
-        FROM unnest(event_types) WITH ORDINALITY AS t(event_type, i)
-        WHERE NOT EXISTS (SELECT 1 FROM outbox_route r WHERE r.prefix = t.event_type OR (right(r.prefix, 1) = '.' AND starts_with(t.event_type, r.prefix)))
-        ORDER BY t.i
-        LIMIT 1;
-        IF FOUND THEN
-            RAISE EXCEPTION 'outbox_publish_many: event_types[%] % matches no synced route (strict routing is on)', bad.i, quote_literal(bad.event_type)
-                USING ERRCODE = '22023', COLUMN = 'event_type', CONSTRAINT = 'outbox_route_strict', HINT = outbox_route_strict_hint();
-        END IF;
-    END IF;
-
-    WITH input AS (
-        SELECT nextval('outbox_event_id_seq') AS id, t.i, t.event_type, t.payload, t.tenant_id, t.dispatch_key, t.not_before
-        FROM unnest(event_types, payloads, tenant_ids, dispatch_keys, not_befores) WITH ORDINALITY
-             AS t(event_type, payload, tenant_id, dispatch_key, not_before, i)
-    ),
-    ins AS (
-        INSERT INTO outbox_event AS e (id, event_type, payload, tenant_id, dispatch_key, scheduled_at)
-        OVERRIDING SYSTEM VALUE
-        SELECT input.id, input.event_type, input.payload, input.tenant_id, input.dispatch_key, GREATEST(now(), input.not_before)
-        FROM input ORDER BY input.i
-        ON CONFLICT DO NOTHING
-        RETURNING e.id
-    )
-    SELECT array_agg(input.i ORDER BY input.i), array_agg(ins.id IS NULL ORDER BY input.i), array_agg(ins.id ORDER BY input.i)
-    INTO ords, dups, ids
-    FROM input LEFT JOIN ins ON ins.id = input.id;
-
-    IF array_position(ids, NULL) IS NOT NULL THEN
-        -- A new statement: it sees keys stored earlier in this batch, and
-        -- (READ COMMITTED) keys committed while the insert waited.
-        SELECT array_agg(COALESCE(u.i,
-                   (SELECT e.id FROM outbox_event e
-                    WHERE COALESCE(e.tenant_id, '') = COALESCE(tenant_ids[u.o], '')
-                      AND e.dispatch_key = dispatch_keys[u.o]))
-               ORDER BY u.o)
-        INTO ids
-        FROM unnest(ords, ids) AS u(o, i);
-        at := array_position(ids, NULL);
-        IF at IS NOT NULL THEN
-            RAISE EXCEPTION 'outbox_publish_many: event % conflicts with a stored row that holds neither its tenant and dispatch key nor its id', at
-                USING ERRCODE = '23505', HINT = 'an event id was taken outside the identity sequence (INSERT ... OVERRIDING SYSTEM VALUE)';
-        END IF;
-    END IF;
-
-    RETURN QUERY SELECT u.o, u.d, u.i FROM unnest(ords, dups, ids) AS u(o, d, i);
 END
 $$;
 
@@ -457,9 +216,6 @@ DECLARE
     f regprocedure;
 BEGIN
     FOREACH f IN ARRAY ARRAY[
-        'outbox_publish(text, jsonb, text, text, timestamptz)',
-        'outbox_publish(text, text, text, text, timestamptz)',
-        'outbox_publish_many(text[], jsonb[], text[], text[], timestamptz[])',
         'outbox_routes_sync(text, boolean, jsonb, boolean, text)',
         'outbox_event_strict_route()']::regprocedure[]
     LOOP
@@ -469,8 +225,5 @@ BEGIN
 END
 $$;
 
-GRANT EXECUTE ON FUNCTION outbox_publish(text, jsonb, text, text, timestamptz) TO outbox_producer, outbox_operator;
-GRANT EXECUTE ON FUNCTION outbox_publish(text, text, text, text, timestamptz) TO outbox_producer, outbox_operator;
-GRANT EXECUTE ON FUNCTION outbox_publish_many(text[], jsonb[], text[], text[], timestamptz[]) TO outbox_producer, outbox_operator;
 GRANT EXECUTE ON FUNCTION outbox_routes_sync(text, boolean, jsonb, boolean, text) TO outbox_operator;
 GRANT SELECT ON outbox_route, outbox_route_setting TO outbox_operator, outbox_dispatcher;

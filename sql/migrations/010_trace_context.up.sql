@@ -34,21 +34,25 @@
 -- within 10 s it fails, changes nothing, and `outboxctl migrate` can be run
 -- again.
 --
--- The publish functions take one more optional, named parameter:
--- outbox_publish(..., trace_context text DEFAULT NULL) (both overloads) and
--- outbox_publish_many(..., trace_contexts text[] DEFAULT NULL; a NULL
--- element: that event has none). As in 008, the functions are dropped and
--- recreated with the parameter last (a second function with the old five
--- parameters would make every existing call ambiguous), in this
--- migration's transaction, so positional and named calls written for the
--- old signatures resolve to the new ones unchanged; SECURITY DEFINER,
--- search_path pinned, EXECUTE revoked from PUBLIC and granted to the
--- producer and operator roles, as before. Every behaviour of 008 (the
--- rules, delays, strict routing, duplicate keys) is kept.
+-- The publish functions, with their final parameters. Two optional, named
+-- parameters join the four of 006: not_before (delayed events; the rule is
+-- in 008's header) and trace_context: outbox_publish(..., not_before
+-- timestamptz DEFAULT NULL, trace_context text DEFAULT NULL) (both
+-- overloads) and outbox_publish_many(..., not_befores timestamptz[] DEFAULT
+-- NULL, trace_contexts text[] DEFAULT NULL; a NULL element: that event is
+-- not delayed, or has no trace context). They also check strict routing
+-- (008) first, so that they name the batch position. The functions of 006
+-- are dropped and recreated with the parameters last (a second function
+-- with the old four parameters would make every existing call ambiguous),
+-- in this migration's transaction, so positional and named calls written
+-- for the old signatures resolve to the new ones unchanged; SECURITY
+-- DEFINER, search_path pinned, EXECUTE revoked from PUBLIC and granted to
+-- the producer and operator roles, as in 006. Every behaviour of 006 (the
+-- rules, duplicate keys per tenant) is kept.
 --
 -- Every statement is idempotent, so that running it again is harmless and
--- repairs the functions if 006 or 008 (which create the older signatures)
--- is ever run again after it.
+-- repairs the functions if 006 (which creates the older signatures) is ever
+-- run again after it.
 
 SET LOCAL lock_timeout = '10s';
 
@@ -92,11 +96,8 @@ $$;
 DROP FUNCTION IF EXISTS outbox_publish(text, text, text, text);
 DROP FUNCTION IF EXISTS outbox_publish(text, jsonb, text, text);
 DROP FUNCTION IF EXISTS outbox_publish_many(text[], jsonb[], text[], text[]);
-DROP FUNCTION IF EXISTS outbox_publish(text, text, text, text, timestamptz);
-DROP FUNCTION IF EXISTS outbox_publish(text, jsonb, text, text, timestamptz);
-DROP FUNCTION IF EXISTS outbox_publish_many(text[], jsonb[], text[], text[], timestamptz[]);
 
--- outbox_publish: as in 008, plus trace_context.
+-- outbox_publish: as in 006, plus not_before, strict routing and trace_context.
 CREATE OR REPLACE FUNCTION outbox_publish(
     event_type    text,
     payload       jsonb,
@@ -171,7 +172,7 @@ BEGIN
 END
 $$;
 
--- outbox_publish(text, text, ...): as in 008, plus trace_context.
+-- outbox_publish(text, text, ...): as in 006, plus not_before and trace_context.
 CREATE OR REPLACE FUNCTION outbox_publish(
     event_type    text,
     payload       text,
@@ -210,7 +211,7 @@ BEGIN
 END
 $$;
 
--- outbox_publish_many: as in 008, plus trace_contexts.
+-- outbox_publish_many: as in 006, plus not_befores, strict routing and trace_contexts.
 CREATE OR REPLACE FUNCTION outbox_publish_many(
     event_types    text[],
     payloads       jsonb[],
