@@ -69,7 +69,13 @@ func startWorkers(t *testing.T, pool *pgxpool.Pool, handlers *outboxriver.Handle
 	for i, q := range queues {
 		qs[i] = outboxriver.Queue{Name: q, MaxWorkers: 4}
 	}
-	cfg := outboxriver.QueuesConfig(workers, qs, outboxriver.WorkerLatency{})
+	return startClient(t, pool, outboxriver.QueuesConfig(workers, qs, outboxriver.WorkerLatency{}))
+}
+
+// startClient starts a River client with cfg (quiet, retrying soon) and
+// stops it when the test ends.
+func startClient(t *testing.T, pool *pgxpool.Pool, cfg *river.Config) *river.Client[pgx.Tx] {
+	t.Helper()
 	cfg.Logger = quiet
 	cfg.RetryPolicy = soonRetry{}
 	client, err := river.NewClient(riverpgxv5.New(pool), cfg)

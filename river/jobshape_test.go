@@ -15,7 +15,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
 
 	"github.com/outboxhq/outbox"
@@ -102,28 +101,12 @@ func startPlainClient(t *testing.T, pool *pgxpool.Pool, workers *river.Workers, 
 	for _, q := range queues {
 		qs[q] = river.QueueConfig{MaxWorkers: 4}
 	}
-	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
+	return startClient(t, pool, &river.Config{
 		Queues:            qs,
 		Workers:           workers,
-		Logger:            quiet,
 		FetchCooldown:     time.Millisecond,
 		FetchPollInterval: 50 * time.Millisecond,
-		RetryPolicy:       soonRetry{},
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := client.Start(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		if err := client.Stop(ctx); err != nil {
-			t.Errorf("stop River client: %v", err)
-		}
-	})
-	return client
 }
 
 func parseRoutes(t *testing.T, doc string) *route.Table {

@@ -10,7 +10,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
 	"github.com/riverqueue/rivercontrib/otelriver"
 	"go.opentelemetry.io/otel/attribute"
@@ -73,27 +72,6 @@ func startDispatcher(t *testing.T, pool *pgxpool.Pool, routes *route.Table) {
 	})
 }
 
-// startClient starts a River client with cfg and stops it when the test
-// ends.
-func startClient(t *testing.T, pool *pgxpool.Pool, cfg *river.Config) {
-	t.Helper()
-	cfg.Logger = quiet
-	cfg.RetryPolicy = soonRetry{}
-	client, err := river.NewClient(riverpgxv5.New(pool), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := client.Start(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		if err := client.Stop(ctx); err != nil {
-			t.Errorf("stop River client: %v", err)
-		}
-	})
-}
 
 // publishTraced publishes events in a producer span of tp and returns the
 // span's context.
