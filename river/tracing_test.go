@@ -72,7 +72,6 @@ func startDispatcher(t *testing.T, pool *pgxpool.Pool, routes *route.Table) {
 	})
 }
 
-
 // publishTraced publishes events in a producer span of tp and returns the
 // span's context.
 func publishTraced(t *testing.T, pool *pgxpool.Pool, tp trace.TracerProvider, events ...outbox.Event) trace.SpanContext {
