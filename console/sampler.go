@@ -20,7 +20,8 @@ type Point struct {
 	// HandoffPerS is events handed to River per second since the previous
 	// sample (done rows whose processed_at falls in between).
 	HandoffPerS float64 `json:"handoff_per_s"`
-	// Pending and Failed are counts at the sample.
+	// Pending (the due backlog: events scheduled for later are not in it)
+	// and Failed are counts at the sample.
 	Pending int64 `json:"pending"`
 	Failed  int64 `json:"failed"`
 	// OldestPendingS is the age of the oldest due pending event, in
@@ -40,7 +41,7 @@ SELECT now(),
        CASE WHEN $1::bigint IS NOT NULL THEN (SELECT count(*) FROM outbox_event WHERE id > $1::bigint) ELSE 0 END,
        CASE WHEN $2::timestamptz IS NOT NULL THEN (SELECT count(*) FROM outbox_event
             WHERE status = 'done' AND processed_at > $2::timestamptz AND processed_at <= now()) ELSE 0 END,
-       (SELECT count(*) FROM outbox_event WHERE status = 'pending'),
+       (SELECT count(*) FROM outbox_event WHERE status = 'pending' AND scheduled_at <= now()),
        (SELECT count(*) FROM outbox_event WHERE status = 'failed'),
        coalesce((SELECT extract(epoch FROM now() - min(scheduled_at)) FROM outbox_event
                  WHERE status = 'pending' AND scheduled_at <= now()), 0)::float8`
