@@ -30,6 +30,8 @@ const (
 	MaxTenantIDBytes = 128
 	// MaxDispatchKeyBytes is the longest dispatch key.
 	MaxDispatchKeyBytes = 256
+	// MaxOrderingKeyBytes is the longest ordering key.
+	MaxOrderingKeyBytes = 256
 	// MaxPublishMany is the most events one PublishMany call takes.
 	MaxPublishMany = 10000
 	// MaxPayloadDepth is the deepest nesting of objects and arrays a payload
@@ -103,6 +105,16 @@ type Event struct {
 	// duplicate DispatchKey returns the stored event unchanged, due time
 	// included.
 	NotBefore time.Time
+	// OrderingKey puts the event in order with the other events of the
+	// same tenant and key (for example "order:42"): for each River queue
+	// they are routed to, their jobs are worked one at a time, in the order
+	// the events were published (publish order within a transaction,
+	// commit order across transactions), each job starting only after the
+	// one before it is finalized. Transactions that publish to the same key
+	// run their publishes one after another: the second waits for the
+	// first to commit or roll back. Empty means none (the event is not
+	// ordered). At most 256 bytes. See docs/ordering.md. Needs migration 011.
+	OrderingKey string
 }
 
 // Published is the outcome of publishing one event.
@@ -122,7 +134,7 @@ type ValidationError struct {
 	// Index is the event's position in a PublishMany call (0 for Publish).
 	Index int
 	// Field is the Event field: "Type", "Payload", "TenantID",
-	// "DispatchKey" or "NotBefore".
+	// "DispatchKey", "NotBefore" or "OrderingKey".
 	Field string
 	// Rule says what the field must be.
 	Rule string
@@ -339,6 +351,9 @@ func validateEvent(i int, e *Event) error {
 	if err := validateText(e.DispatchKey, MaxDispatchKeyBytes); err != nil {
 		return &ValidationError{Index: i, Field: "DispatchKey", Rule: err.Error()}
 	}
+	if err := validateText(e.OrderingKey, MaxOrderingKeyBytes); err != nil {
+		return &ValidationError{Index: i, Field: "OrderingKey", Rule: err.Error()}
+	}
 	// A coarse check with this host's clock; the database checks again
 	// with its own.
 	if !e.NotBefore.IsZero() {
@@ -438,29 +453,37 @@ func traceContext(ctx context.Context) string {
 	return tc
 }
 
-// publishManySQL publishes a batch through outbox_publish_many, which
-// validates it again (with the table's rules), inserts it, and maps every
-// input position to its own id or to the stored event with the same tenant
-// and key (see migration 006). The function runs as the owner of the
-// migrations, so a producer needs EXECUTE on it and nothing on the table:
-// it can neither choose event ids nor read other tenants' keys.
-const publishManySQL = `SELECT ord, duplicate, id FROM outbox_publish_many($1::text[], $2::jsonb[], $3::text[], $4::text[])`
-
-// publishManyDelayedSQL is publishManySQL with the due times (migration
-// 010): NULL elements are due now. It is used only when some event has a
-// NotBefore, so that producers that delay nothing also work against a
-// schema migrated before 010.
-const publishManyDelayedSQL = `SELECT ord, duplicate, id FROM outbox_publish_many($1::text[], $2::jsonb[], $3::text[], $4::text[], not_befores => $5::timestamptz[])`
-
-// publishManyTracedSQL is publishManySQL with the trace context of the
-// caller's ctx (migration 010), the same for every event of the call: it is
-// sent once and repeated by array_fill. It is used only when ctx carries a
-// span context, so that producers that do not trace also work against a
-// schema migrated before 010.
-const publishManyTracedSQL = `SELECT ord, duplicate, id FROM outbox_publish_many($1::text[], $2::jsonb[], $3::text[], $4::text[], trace_contexts => array_fill($5::text, ARRAY[cardinality($1::text[])]))`
-
-// publishManyDelayedTracedSQL has both the due times and the trace context.
-const publishManyDelayedTracedSQL = `SELECT ord, duplicate, id FROM outbox_publish_many($1::text[], $2::jsonb[], $3::text[], $4::text[], not_befores => $5::timestamptz[], trace_contexts => array_fill($6::text, ARRAY[cardinality($1::text[])]))`
+// publishManySQL returns the call of outbox_publish_many for a batch: the
+// function validates it again (with the table's rules), inserts it, and
+// maps every input position to its own id or to the stored event with the
+// same tenant and key (see migration 006). It runs as the owner of the
+// migrations, so a producer needs EXECUTE on it and nothing on the table: it
+// can neither choose event ids nor read other tenants' keys. The optional
+// arguments are named only when used, so that producers that use none of
+// them also work against a schema migrated before the one that added them:
+// the due times (NULL elements are due now) and the trace context of the
+// caller's ctx (migration 010; the same for every event, sent once and
+// repeated by array_fill), and the ordering keys (migration 011). The first
+// four arguments are $1 to $4.
+func publishManySQL(delays, traced, ordered bool) string {
+	var b strings.Builder
+	b.WriteString(`SELECT ord, duplicate, id FROM outbox_publish_many($1::text[], $2::jsonb[], $3::text[], $4::text[]`)
+	n := 4
+	if delays {
+		n++
+		fmt.Fprintf(&b, `, not_befores => $%d::timestamptz[]`, n)
+	}
+	if traced {
+		n++
+		fmt.Fprintf(&b, `, trace_contexts => array_fill($%d::text, ARRAY[cardinality($1::text[])])`, n)
+	}
+	if ordered {
+		n++
+		fmt.Fprintf(&b, `, ordering_keys => $%d::text[]`, n)
+	}
+	b.WriteString(`)`)
+	return b.String()
+}
 
 // PublishMany writes a batch of events in the caller's transaction in one
 // round trip (a call of the SQL function outbox_publish_many) and returns
@@ -482,6 +505,7 @@ func PublishMany(ctx context.Context, tx pgx.Tx, events []Event) ([]Published, e
 		tenants  = make([]*string, len(events))
 		keys     = make([]*string, len(events))
 		delays   []*time.Time
+		ordering []*string
 	)
 	for i := range events {
 		e := &events[i]
@@ -506,6 +530,12 @@ func PublishMany(ctx context.Context, tx pgx.Tx, events []Event) ([]Published, e
 			}
 			delays[i] = &e.NotBefore
 		}
+		if e.OrderingKey != "" {
+			if ordering == nil {
+				ordering = make([]*string, len(events))
+			}
+			ordering[i] = &e.OrderingKey
+		}
 	}
 
 	var (
@@ -513,18 +543,22 @@ func PublishMany(ctx context.Context, tx pgx.Tx, events []Event) ([]Published, e
 		err  error
 		tc   = traceContext(ctx)
 	)
-	switch {
-	case delays == nil && tc == "":
-		rows, err = tx.Query(ctx, publishManySQL, types, payloads, tenants, keys)
-	case tc == "":
-		rows, err = tx.Query(ctx, publishManyDelayedSQL, types, payloads, tenants, keys, delays)
-	case delays == nil:
-		rows, err = tx.Query(ctx, publishManyTracedSQL, types, payloads, tenants, keys, tc)
-	default:
-		rows, err = tx.Query(ctx, publishManyDelayedTracedSQL, types, payloads, tenants, keys, delays, tc)
+	args := []any{types, payloads, tenants, keys}
+	if delays != nil {
+		args = append(args, delays)
 	}
+	if tc != "" {
+		args = append(args, tc)
+	}
+	if ordering != nil {
+		args = append(args, ordering)
+	}
+	rows, err = tx.Query(ctx, publishManySQL(delays != nil, tc != "", ordering != nil), args...)
 	if err != nil {
-		if tc != "" {
+		switch {
+		case ordering != nil:
+			err = orderingSchemaError(err)
+		case tc != "":
 			err = traceSchemaError(err)
 		}
 		return nil, publishError(err, events)
@@ -563,6 +597,17 @@ func traceSchemaError(err error) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "42883" && strings.Contains(pgErr.Message, "outbox_publish_many") {
 		return fmt.Errorf("the database schema predates migration 010 (trace context), and ctx carries a trace: run `outboxctl migrate` before deploying producers of this version, or publish with a ctx without a span context (trace.ContextWithSpanContext(ctx, trace.SpanContext{})) until then: %w", err)
+	}
+	return err
+}
+
+// orderingSchemaError explains the error of a publish with ordering keys
+// against a schema migrated before 011, whose outbox_publish_many has no
+// ordering_keys parameter.
+func orderingSchemaError(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42883" && strings.Contains(pgErr.Message, "outbox_publish_many") {
+		return fmt.Errorf("the database schema predates migration 011 (ordering keys), and an event has an OrderingKey: run `outboxctl migrate` before deploying producers that order events: %w", err)
 	}
 	return err
 }

@@ -10,12 +10,14 @@
 package claim
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net"
+	"slices"
 	"sync"
 	"time"
 	"unicode/utf8"
@@ -49,11 +51,20 @@ type Event struct {
 	// TraceContext is the producer's W3C trace context (migration 010), or
 	// "" when none.
 	TraceContext string
+	// OrderingKey is the event's ordering key (migration 011), or nil;
+	// OrderingPosition its place in the key's order.
+	OrderingKey      *string
+	OrderingPosition int64
 
 	// fault says why this row cannot be handed off (see rowFault), or "".
 	fault string
 	// more: the byte budget left locked rows out of this batch.
 	more bool
+	// blocked: an earlier event of the same ordering key is still pending,
+	// processing or failed outside this batch, so this one must wait (see
+	// ordered); soon: one of those is pending and due, so it is in another
+	// batch's hands (or cut from this one) and will be handed off shortly.
+	blocked, soon bool
 }
 
 // Position is a place in claim order, (scheduled_at, id).
@@ -99,7 +110,7 @@ ORDER BY scheduled_at, id
 LIMIT $1
 FOR UPDATE SKIP LOCKED`
 
-const claimColumns = `id, event_type, tenant_id, payload, dispatch_key, retries, created_at, scheduled_at, trace_context`
+const claimColumns = `id, event_type, tenant_id, payload, dispatch_key, retries, created_at, scheduled_at, trace_context, ordering_key, ordering_position`
 
 // budgeted bounds a claim by payload bytes as well as by count: of the rows
 // the locking query (claimSQL, claimAfterSQL) returns, in claim order, it
@@ -118,9 +129,9 @@ const claimColumns = `id, event_type, tenant_id, payload, dispatch_key, retries,
 // locked rows were cut, so a drain goes on. A payload larger than $3 bytes
 // is not sent at all (NULL), only its size: the row is dead-lettered.
 func budgeted(locking string) string {
-	return `
-SELECT id, event_type, tenant_id, CASE WHEN size > $3 THEN NULL ELSE payload END, size,
-       dispatch_key, retries, created_at, scheduled_at, trace_context, has_next
+	return ordered(`
+SELECT id, event_type, tenant_id, CASE WHEN size > $3 THEN NULL ELSE payload END AS payload, size,
+       dispatch_key, retries, created_at, scheduled_at, trace_context, ordering_key, ordering_position, has_next
 FROM (
     SELECT s.*, sum(s.size) OVER w AS size_upto, row_number() OVER w AS n2
     FROM (
@@ -137,8 +148,37 @@ FROM (
     ) s
     WINDOW w AS (ORDER BY scheduled_at, id)
 ) f
-WHERE f.n2 = 1 OR f.size_upto <= $2
-ORDER BY scheduled_at, id`
+WHERE f.n2 = 1 OR f.size_upto <= $2`)
+}
+
+// ordered marks, among the rows the budgeted claim keeps, those that must
+// wait for their ordering key (migration 011): an event with a key is
+// handed off only when no earlier event of its (tenant, key), by
+// ordering_position, is pending, processing or failed, unless that event
+// is in this very batch (the handoff then inserts their jobs in position
+// order). An earlier event that another batch holds locked, that is not
+// due yet, that backs off after a failed attempt or that is dead-lettered
+// blocks it: a later event never overtakes an earlier one. soon says a
+// blocking event is pending and due: another batch holds it (or the byte
+// budget cut it from this one), and the drain claims again shortly instead
+// of waiting for the next wake. The partial index outbox_event_ordering_idx
+// serves both checks; events without a key skip them.
+func ordered(kept string) string {
+	return `
+WITH kept AS (` + kept + `)
+SELECT k.id, k.event_type, k.tenant_id, k.payload, k.size, k.dispatch_key, k.retries, k.created_at, k.scheduled_at,
+       k.trace_context, k.ordering_key, k.ordering_position, k.has_next, b.blocked, b.soon
+FROM kept k
+LEFT JOIN LATERAL (
+    SELECT true AS blocked, bool_or(p.status = 'pending' AND p.scheduled_at <= now()) AS soon
+    FROM outbox_event p
+    WHERE COALESCE(p.tenant_id, '') = COALESCE(k.tenant_id, '') AND p.ordering_key = k.ordering_key
+      AND p.ordering_position < k.ordering_position
+      AND p.status IN ('pending', 'processing', 'failed')
+      AND NOT EXISTS (SELECT 1 FROM kept k2 WHERE k2.id = p.id)
+    HAVING count(*) > 0
+) b ON k.ordering_key IS NOT NULL
+ORDER BY k.scheduled_at, k.id`
 }
 
 var (
@@ -277,8 +317,15 @@ type Result struct {
 	// pending, or are counted in Retried or DeadLettered when charged).
 	TimedOut int
 	// Skipped events were claimed by another dispatcher during the
-	// event-by-event retry.
+	// event-by-event retry, or had to wait for their ordering key there.
 	Skipped int
+	// Blocked events were claimed but left pending because an earlier
+	// event of their ordering key must be handed off first (see ordered).
+	Blocked int
+	// BlockedSoon is true when an event waits for an earlier one that is
+	// pending and due: another batch holds it, so claiming again shortly
+	// hands the waiting one off.
+	BlockedSoon bool
 	// Handed lists the handed-off events, in claim order (metrics count
 	// them by route and time them; benchmarks time each by id).
 	Handed []Handed
@@ -310,6 +357,8 @@ func (r *Result) add(o Result) {
 	r.Retried += o.Retried
 	r.DeadLettered += o.DeadLettered
 	r.Skipped += o.Skipped
+	r.Blocked += o.Blocked
+	r.BlockedSoon = r.BlockedSoon || o.BlockedSoon
 	r.TimedOut += o.TimedOut
 	r.Handed = append(r.Handed, o.Handed...)
 }
@@ -438,7 +487,7 @@ func (h *Handoff) one(ctx context.Context, id int64, batchErr error) (Result, er
 		return res, err
 	}
 	defer rollback(ctx, tx)
-	if len(events) == 0 {
+	if len(events) == 0 || events[0].blocked {
 		res.Skipped = 1
 		return res, finish(tctx, tx, nil)
 	}
@@ -584,11 +633,18 @@ func scanEvent(row pgx.CollectableRow) (Event, error) {
 		e                  Event
 		created, scheduled pgtype.Timestamptz
 		traceContext       *string
+		position           *int64
+		isBlocked, soon    *bool
+		size               int
 	)
-	var size int
-	if err := row.Scan(&e.ID, &e.Type, &e.TenantID, (*[]byte)(&e.Payload), &size, &e.DispatchKey, &e.Retries, &created, &scheduled, &traceContext, &e.more); err != nil {
+	if err := row.Scan(&e.ID, &e.Type, &e.TenantID, (*[]byte)(&e.Payload), &size, &e.DispatchKey, &e.Retries, &created, &scheduled, &traceContext, &e.OrderingKey, &position, &e.more, &isBlocked, &soon); err != nil {
 		return e, err
 	}
+	if position != nil {
+		e.OrderingPosition = *position
+	}
+	e.blocked = isBlocked != nil && *isBlocked
+	e.soon = soon != nil && *soon
 	if traceContext != nil {
 		e.TraceContext = *traceContext
 	}
@@ -634,16 +690,32 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		final      []queued
 		params     = make([]river.InsertManyParams, 0, len(events))
 		jobEvent   = make([]int64, 0, len(events))
+		// stopped holds the ordering keys whose event in this batch was
+		// failed at once (broken or unroutable): their later events wait.
+		stopped map[orderingScope]bool
 	)
+	events = inKeyOrder(events)
 	for i := range events {
 		e := &events[i]
+		scope, keyed := scopeOf(e)
+		if e.blocked || (keyed && stopped[scope]) {
+			res.Blocked++
+			res.BlockedSoon = res.BlockedSoon || e.soon
+			continue
+		}
 		if e.fault != "" {
 			broken = append(broken, *e)
+			if keyed {
+				stopped = stop(stopped, scope)
+			}
 			continue
 		}
 		rule, ok := h.Routes.Match(e.Type)
 		if !ok {
 			unroutable = append(unroutable, *e)
+			if keyed {
+				stopped = stop(stopped, scope)
+			}
 			continue
 		}
 		args := outboxriver.EventArgs{
@@ -654,6 +726,10 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 			DispatchKey:  e.DispatchKey,
 			CreatedAt:    e.CreatedAt,
 			TraceContext: e.TraceContext,
+			OrderingKey:  e.OrderingKey,
+		}
+		if keyed {
+			args.OrderingPosition = e.OrderingPosition
 		}
 		// One job per queue of the rule, shaped by the route (kind, args,
 		// priority, max attempts, tags) and carrying the event in its
@@ -702,6 +778,63 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 	}
 	h.alertBroken(ctx, broken)
 	return res, unroutable, nil
+}
+
+// orderingScope is an ordering key with its tenant ("" for none).
+type orderingScope struct{ tenant, key string }
+
+func scopeOf(e *Event) (orderingScope, bool) {
+	if e.OrderingKey == nil {
+		return orderingScope{}, false
+	}
+	return orderingScope{tenant: deref(e.TenantID), key: *e.OrderingKey}, true
+}
+
+func stop(m map[orderingScope]bool, s orderingScope) map[orderingScope]bool {
+	if m == nil {
+		m = map[orderingScope]bool{}
+	}
+	m[s] = true
+	return m
+}
+
+// inKeyOrder puts the events of each ordering key in position order,
+// within the slots they hold in claim order ((scheduled_at, id), which the
+// position follows except when two producers of a key raced between
+// taking an id and taking the key's lock): their jobs are inserted, and so
+// queued behind each other, in this order. Events without a key keep their
+// place.
+func inKeyOrder(events []Event) []Event {
+	var slots map[orderingScope][]int
+	for i := range events {
+		if s, ok := scopeOf(&events[i]); ok {
+			if slots == nil {
+				slots = map[orderingScope][]int{}
+			}
+			slots[s] = append(slots[s], i)
+		}
+	}
+	for _, idx := range slots {
+		inOrder := true
+		for j := 1; j < len(idx); j++ {
+			if events[idx[j]].OrderingPosition < events[idx[j-1]].OrderingPosition {
+				inOrder = false
+				break
+			}
+		}
+		if inOrder {
+			continue
+		}
+		group := make([]Event, len(idx))
+		for j, i := range idx {
+			group[j] = events[i]
+		}
+		slices.SortStableFunc(group, func(a, b Event) int { return cmp.Compare(a.OrderingPosition, b.OrderingPosition) })
+		for j, i := range idx {
+			events[i] = group[j]
+		}
+	}
+	return events
 }
 
 func (h *Handoff) alertBroken(ctx context.Context, events []Event) {

@@ -28,6 +28,9 @@ type drain struct {
 	// they skip (a late commit, a rolled-back batch), the next drain's
 	// first batch finds.
 	at *claim.Position
+	// soon: a batch left an ordered event waiting for an earlier one that
+	// another batch holds (claim.Result.BlockedSoon).
+	soon atomic.Bool
 }
 
 func (d *Dispatcher) newDrain(work, run context.Context) *drain {
@@ -137,6 +140,9 @@ func (dr *drain) pass() (int, bool, error) {
 	if err != nil {
 		return 0, false, err
 	}
+	if res.BlockedSoon {
+		dr.soon.Store(true)
+	}
 	if res.Claimed > 0 {
 		dr.mu.Lock()
 		if dr.at == nil || res.Last.After(*dr.at) {
@@ -146,7 +152,9 @@ func (dr *drain) pass() (int, bool, error) {
 		dr.mu.Unlock()
 		d.record(res)
 	}
-	return res.Claimed, res.Claimed >= d.cfg.BatchSize || res.More, nil
+	// Blocked events (waiting for their ordering key) are not work done:
+	// an idle re-check that finds only those goes back to sleep.
+	return res.Claimed - res.Blocked, res.Claimed >= d.cfg.BatchSize || res.More, nil
 }
 
 // record counts a batch that claimed events and reports it (OnBatch).

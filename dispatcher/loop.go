@@ -81,6 +81,9 @@ type loop struct {
 	poll      *time.Ticker
 	// failures counts consecutive failed passes (backoff, alert).
 	failures int
+	// waits counts consecutive drains that left an ordered event waiting
+	// for an earlier one in another batch's hands (claim.Result.BlockedSoon).
+	waits int
 }
 
 // runLoop runs the state machine until it reaches stopping.
@@ -117,7 +120,8 @@ func (l *loop) drain() state {
 	if l.d.lock != nil && l.d.lock.held {
 		wait = l.d.lock.releaseAsync(l.work, l.d.logger)
 	}
-	n, err := l.d.newDrain(l.work, l.run).all()
+	dr := l.d.newDrain(l.work, l.run)
+	n, err := dr.all()
 	if wait != nil {
 		wait()
 	}
@@ -129,6 +133,22 @@ func (l *loop) drain() state {
 		return stopping
 	}
 	l.failures = 0
+	if dr.soon.Load() {
+		// An ordered event waits for an earlier event of its key that
+		// another batch (of this or another dispatcher) holds; that batch
+		// commits shortly, and no NOTIFY will say so. Claim again soon: 1,
+		// 2, 4 ... 64 ms after consecutive such drains.
+		l.waits++
+		t := time.NewTimer(time.Millisecond << min(l.waits-1, 6))
+		defer t.Stop()
+		select {
+		case <-t.C:
+			return draining
+		case <-l.run.Done():
+			return stopping
+		}
+	}
+	l.waits = 0
 	// Work arrived: stay busy for Linger and look again, rather than going
 	// idle at once. Idle takes the wake lock, and while it is held (or
 	// queued for) producers pay for NOTIFY; under a steady stream that

@@ -35,6 +35,14 @@ type EventArgs struct {
 	// MetadataTraceParent and MetadataTraceState, where River's
 	// OpenTelemetry middleware and TraceMiddleware read it.
 	TraceContext string `json:"-"`
+	// OrderingKey is the event's ordering key, or nil (see
+	// outbox.Event.OrderingKey).
+	OrderingKey *string `json:"ordering_key,omitempty"`
+	// OrderingPosition is the event's place in its key's order (ascending;
+	// not consecutive), 0 when the event has no key. It is not part of the
+	// args JSON: JobParams writes it into the job's metadata under
+	// MetadataOrderingPosition, where the ordering trigger reads it.
+	OrderingPosition int64 `json:"-"`
 }
 
 // Kind implements river.JobArgs.

@@ -29,6 +29,8 @@ type Event struct {
 	DispatchKey string
 	// CreatedAt is when the event was written (the database's clock).
 	CreatedAt time.Time
+	// OrderingKey is the event's ordering key, or "" when none.
+	OrderingKey string
 
 	// JobID is the River job delivering the event (0 for an Event not built
 	// from a job).
@@ -64,6 +66,9 @@ func EventFromJob(job *river.Job[EventArgs]) Event {
 	}
 	if a.DispatchKey != nil {
 		ev.DispatchKey = *a.DispatchKey
+	}
+	if a.OrderingKey != nil {
+		ev.OrderingKey = *a.OrderingKey
 	}
 	return ev
 }

@@ -38,6 +38,15 @@ const (
 	// MetadataArgs is "payload" on a job whose args are the event payload;
 	// absent on envelope jobs.
 	MetadataArgs = "outbox_args"
+	// MetadataOrderingKey is the event's ordering key, a string; absent
+	// when the event has none. A job that carries it is an ordered job:
+	// the triggers of migration 011 hold it in River's pending state until
+	// the job before it in its (tenant, key, queue) is finalized (see
+	// docs/ordering.md).
+	MetadataOrderingKey = "outbox_ordering_key"
+	// MetadataOrderingPosition is the event's position in its key's order,
+	// a JSON number; present with MetadataOrderingKey.
+	MetadataOrderingPosition = "outbox_ordering_position"
 )
 
 // The producer's trace context is in the metadata too, under the W3C keys
@@ -53,6 +62,8 @@ type jobMetadata struct {
 	Args        route.Args `json:"outbox_args,omitempty"`
 	TraceParent string     `json:"traceparent,omitempty"`
 	TraceState  string     `json:"tracestate,omitempty"`
+	OrderingKey *string    `json:"outbox_ordering_key,omitempty"`
+	OrderingPos *int64     `json:"outbox_ordering_position,omitempty"`
 }
 
 // PayloadArgs are the args of a job whose route says args: payload: the
@@ -119,6 +130,10 @@ func JobParams(rule route.Rule, ev EventArgs) []river.InsertManyParams {
 		EventType:   ev.EventType,
 		TenantID:    ev.TenantID,
 		DispatchKey: ev.DispatchKey,
+	}
+	if ev.OrderingKey != nil {
+		pos := ev.OrderingPosition
+		meta.OrderingKey, meta.OrderingPos = ev.OrderingKey, &pos
 	}
 	meta.TraceParent, meta.TraceState = splitTraceContext(ev.TraceContext)
 	var encoded [2][]byte // per args shape: the metadata differs only there
@@ -198,6 +213,9 @@ func EventFromMetadata(row *rivertype.JobRow) (Event, bool) {
 	}
 	if m.DispatchKey != nil {
 		ev.DispatchKey = *m.DispatchKey
+	}
+	if m.OrderingKey != nil {
+		ev.OrderingKey = *m.OrderingKey
 	}
 	if m.Args == route.ArgsPayload {
 		ev.Payload = json.RawMessage(row.EncodedArgs)

@@ -30,8 +30,9 @@ type Queue struct {
 
 // QueuesConfig returns a River client config that works queues with
 // workers, using the outbox's latency defaults (WorkerLatency) for the
-// client and each Queue's overrides, and TraceMiddleware (the work of a job
-// continues its producer's trace). Callers may set further fields (Logger,
+// client and each Queue's overrides, TraceMiddleware (the work of a job
+// continues its producer's trace) and NewOrderedCompletionMiddleware (the
+// next job of an ordering key starts as soon as the one before it ends). Callers may set further fields (Logger,
 // ErrorHandler, ID, ...) before river.NewClient, and append River's
 // OpenTelemetry middleware to Middleware (after TraceMiddleware).
 func QueuesConfig(workers *river.Workers, queues []Queue, lat WorkerLatency) *river.Config {
@@ -64,7 +65,7 @@ func QueuesConfig(workers *river.Workers, queues []Queue, lat WorkerLatency) *ri
 		FetchPollInterval: lat.FetchPollInterval,
 		Queues:            qs,
 		Workers:           workers,
-		Middleware:        []rivertype.Middleware{NewTraceMiddleware()},
+		Middleware:        []rivertype.Middleware{NewTraceMiddleware(), NewOrderedCompletionMiddleware()},
 	}
 }
 
