@@ -72,7 +72,7 @@ func run() int {
 		rates       string
 		peers       string
 	)
-	flag.StringVar(&scenarios, "scenarios", "latency,rates,drain,producer,scheduled", "comma-separated scenarios to run: latency, rates (latency versus rate), drain (includes resources), producer, scheduled (claim of due events beside a backlog due tomorrow)")
+	flag.StringVar(&scenarios, "scenarios", "latency,rates,drain,producer,scheduled", "comma-separated scenarios to run: latency, rates (latency versus rate), drain (includes resources), producer, scheduled (claim of due events beside a backlog due tomorrow), ordering (per-key ordering: drains with and without keys, a hot key; not in the default list)")
 	flag.StringVar(&rates, "rates", "200,500,1000,2000,4000,8000", "rates: offered events per second (quick mode: 200,1000)")
 	flag.DurationVar(&o.RatesDuration, "rates-duration", 10*time.Second, "rates: duration per rate and mode (quick mode: 2s)")
 	flag.StringVar(&peers, "peers", "", "rates: peer job queues to run beside the outbox: graphile (Graphile Worker on Node; skipped with a note when Node or the package cannot be installed)")
@@ -121,9 +121,9 @@ func run() int {
 	o.Scenarios = splitList(scenarios)
 	for _, s := range o.Scenarios {
 		switch s {
-		case "latency", "rates", "drain", "producer", "scheduled":
+		case "latency", "rates", "drain", "producer", "scheduled", "ordering":
 		default:
-			fmt.Fprintf(os.Stderr, "bench: -scenarios: unknown scenario %q (want latency, rates, drain, producer, scheduled)\n", s)
+			fmt.Fprintf(os.Stderr, "bench: -scenarios: unknown scenario %q (want latency, rates, drain, producer, scheduled, ordering)\n", s)
 			return 2
 		}
 	}
@@ -197,6 +197,8 @@ func run() int {
 			res.Producer, err = runProducer(ctx, env, &o, res.Drain)
 		case "scheduled":
 			res.Scheduled, err = runScheduled(ctx, env, &o)
+		case "ordering":
+			res.Ordering, err = runOrdering(ctx, env, &o)
 		}
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "bench: scenario %s: %v\n", s, err)

@@ -29,6 +29,11 @@ func writePlots(r *Results, dir string) error {
 			return err
 		}
 	}
+	if r.Ordering != nil {
+		if err := orderingPlot(r.Ordering, filepath.Join(dir, "ordering.png")); err != nil {
+			return err
+		}
+	}
 	if len(r.Producer) > 0 {
 		if err := producerPlot(r, filepath.Join(dir, "producer.png")); err != nil {
 			return err

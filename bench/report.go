@@ -14,7 +14,9 @@ type Results struct {
 	Producer []ProducerCell  `json:"producer,omitempty"`
 	// Scheduled is the claim beside a backlog of delayed events.
 	Scheduled []ScheduledResult `json:"scheduled,omitempty"`
-	Goals     []Goal            `json:"goals"`
+	// Ordering is the per-key ordering scenario.
+	Ordering *OrderingResults `json:"ordering,omitempty"`
+	Goals    []Goal           `json:"goals"`
 }
 
 // Goal is one of issue 5's targets, checked against this run.
@@ -180,6 +182,9 @@ func markdown(r *Results) string {
 			fmt.Fprintf(&b, "| %d | %.2f | %.2f | %.2f | %.2f | %d |\n", sr.Backlog, sr.Batch.P50, sr.Batch.P99, sr.Empty.P50, sr.Empty.P99, sr.Batch.Count)
 		}
 		b.WriteString("\n")
+	}
+	if r.Ordering != nil {
+		b.WriteString(orderingMarkdown(r.Ordering))
 	}
 	if len(r.Producer) > 0 {
 		b.WriteString("## Producer transactions per second, one event per transaction\n\n")

@@ -158,26 +158,39 @@ WHERE f.n2 = 1 OR f.size_upto <= $2`)
 // is in this very batch (the handoff then inserts their jobs in position
 // order). An earlier event that another batch holds locked, that is not
 // due yet, that backs off after a failed attempt or that is dead-lettered
-// blocks it: a later event never overtakes an earlier one. soon says a
-// blocking event is pending and due: another batch holds it (or the byte
-// budget cut it from this one), and the drain claims again shortly instead
-// of waiting for the next wake. The partial index outbox_event_ordering_idx
-// serves both checks; events without a key skip them.
+// blocks it: a later event never overtakes an earlier one.
+//
+// For each key of the batch, first is the earliest such event outside the
+// batch (one step of outbox_event_ordering_idx, a partial index that holds
+// only unfinished keyed events, past the batch's own rows, which the
+// hashed NOT IN skips); the batch's events of that key after it are
+// blocked. soon says that event is pending and due: another batch holds it
+// (or the byte budget cut it from this one), and the drain claims again
+// shortly instead of waiting for the next wake. Events without a key skip
+// all of it.
 func ordered(kept string) string {
 	return `
-WITH kept AS (` + kept + `)
+WITH kept AS (` + kept + `),
+keys AS (
+    SELECT DISTINCT COALESCE(tenant_id, '') AS tenant, ordering_key AS key FROM kept WHERE ordering_key IS NOT NULL
+),
+firsts AS (
+    SELECT keys.tenant, keys.key, f.ordering_position AS position, f.soon
+    FROM keys CROSS JOIN LATERAL (
+        SELECT p.ordering_position, (p.status = 'pending' AND p.scheduled_at <= now()) AS soon
+        FROM outbox_event p
+        WHERE COALESCE(p.tenant_id, '') = keys.tenant AND p.ordering_key = keys.key
+          AND p.status IN ('pending', 'processing', 'failed')
+          AND p.id NOT IN (SELECT id FROM kept)
+        ORDER BY p.ordering_position
+        LIMIT 1
+    ) f
+)
 SELECT k.id, k.event_type, k.tenant_id, k.payload, k.size, k.dispatch_key, k.retries, k.created_at, k.scheduled_at,
-       k.trace_context, k.ordering_key, k.ordering_position, k.has_next, b.blocked, b.soon
+       k.trace_context, k.ordering_key, k.ordering_position, k.has_next,
+       f.position < k.ordering_position AS blocked, f.position < k.ordering_position AND f.soon AS soon
 FROM kept k
-LEFT JOIN LATERAL (
-    SELECT true AS blocked, bool_or(p.status = 'pending' AND p.scheduled_at <= now()) AS soon
-    FROM outbox_event p
-    WHERE COALESCE(p.tenant_id, '') = COALESCE(k.tenant_id, '') AND p.ordering_key = k.ordering_key
-      AND p.ordering_position < k.ordering_position
-      AND p.status IN ('pending', 'processing', 'failed')
-      AND NOT EXISTS (SELECT 1 FROM kept k2 WHERE k2.id = p.id)
-    HAVING count(*) > 0
-) b ON k.ordering_key IS NOT NULL
+LEFT JOIN firsts f ON k.ordering_key IS NOT NULL AND f.tenant = COALESCE(k.tenant_id, '') AND f.key = k.ordering_key
 ORDER BY k.scheduled_at, k.id`
 }
 

@@ -6,6 +6,8 @@ import (
 	"encoding/json"
 	"errors"
 	"log/slog"
+	"sync"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
@@ -15,8 +17,9 @@ import (
 
 // NewOrderedCompletionMiddleware returns River worker middleware that
 // completes an ordered job (one whose metadata carries
-// MetadataOrderingKey) in its own short transaction as soon as its worker
-// returns nil, instead of leaving it to River's batch completer, which
+// MetadataOrderingKey) in a short transaction as soon as its worker
+// returns nil (shared with the ordered jobs that end meanwhile: see
+// orderedCompletion), instead of leaving it to River's batch completer, which
 // writes completions every 50 to 250 ms. The ordering trigger of
 // migration 011 runs in that transaction: it releases the next job of the
 // key and sends River's insert notification for its queue, so the next job
@@ -34,8 +37,31 @@ func NewOrderedCompletionMiddleware() rivertype.WorkerMiddleware {
 	return &orderedCompletion{}
 }
 
+// orderedCompletion group-commits: the worker whose job ends while no
+// completion transaction is running writes its own at once; jobs that end
+// meanwhile queue, and when that transaction ends, the first of them
+// writes all that queued, in one transaction. One transaction (and one
+// NOTIFY per queue) serves many jobs under load, and a lone job waits for
+// nobody. The goroutines are River's workers, each blocked in its own
+// Work until its completion is written: nothing outlives them.
 type orderedCompletion struct {
 	river.WorkerMiddlewareDefaults
+
+	mu sync.Mutex
+	// queue holds the completions waiting for the next transaction;
+	// writing is true while a worker writes one.
+	queue   []*completion
+	writing bool
+}
+
+type completion struct {
+	ctx    context.Context
+	client *river.Client[pgx.Tx]
+	job    *rivertype.JobRow
+	// done receives the outcome of the transaction that wrote the
+	// completion; lead tells a waiting worker to write the next one.
+	done chan error
+	lead chan struct{}
 }
 
 // anyArgs stands for the args of any job in river.JobCompleteTx: it
@@ -54,22 +80,86 @@ func (m *orderedCompletion) Work(ctx context.Context, job *rivertype.JobRow, doI
 	if cerr != nil {
 		return nil // not a pgx client: River's completer completes the job
 	}
-	if cerr := completeNow(ctx, client, job); cerr != nil && !errors.Is(cerr, rivertype.ErrNotFound) && ctx.Err() == nil {
+	// The work context carries the client and the job's metadata updates;
+	// its cancellation (the job's timeout) must not cut a transaction that
+	// writes other jobs too.
+	c := &completion{ctx: context.WithoutCancel(ctx), client: client, job: job, done: make(chan error, 1), lead: make(chan struct{}, 1)}
+	m.mu.Lock()
+	m.queue = append(m.queue, c)
+	first := !m.writing
+	m.writing = true
+	m.mu.Unlock()
+	if first {
+		m.write()
+	}
+	var werr error
+	select {
+	case werr = <-c.done:
+	case <-c.lead:
+		m.write()
+		werr = <-c.done
+	}
+	if werr != nil && ctx.Err() == nil {
 		slog.Default().WarnContext(ctx, "outbox: completing an ordered job at once failed; River's completer completes it",
-			slog.Int64("job_id", job.ID), slog.String("error", cerr.Error()))
+			slog.Int64("job_id", job.ID), slog.String("error", werr.Error()))
 	}
 	return nil
 }
 
-func completeNow(ctx context.Context, client *river.Client[pgx.Tx], job *rivertype.JobRow) error {
-	execTx, err := client.Driver().GetExecutor().Begin(ctx)
+// write writes every queued completion in one transaction, then passes
+// the writing on to the first completion queued meanwhile, if any.
+func (m *orderedCompletion) write() {
+	m.mu.Lock()
+	batch := m.queue
+	m.queue = nil
+	m.mu.Unlock()
+	err := completeNow(batch)
+	for _, c := range batch {
+		c.done <- err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.queue) == 0 {
+		m.writing = false
+		return
+	}
+	m.queue[0].lead <- struct{}{}
+}
+
+// completeNow completes the jobs of batch in one transaction (on the
+// first one's client: every client of one middleware works one database).
+// A job its worker completed already is skipped.
+func completeNow(batch []*completion) error {
+	if len(batch) == 0 {
+		return nil
+	}
+	first := batch[0]
+	ctx, cancel := context.WithTimeout(first.ctx, 10*time.Second)
+	defer cancel()
+	execTx, err := first.client.Driver().GetExecutor().Begin(ctx)
 	if err != nil {
 		return err
 	}
-	tx := client.Driver().UnwrapTx(execTx)
+	tx := first.client.Driver().UnwrapTx(execTx)
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	if _, err := river.JobCompleteTx[*riverpgxv5.Driver](ctx, tx, &river.Job[anyArgs]{JobRow: job}); err != nil {
+	// The commit need not wait for its WAL flush: a job that the trigger
+	// releases can only start after River's fetch of it commits, and that
+	// commit (synchronous, as River's are) flushes the WAL up to and
+	// including this one. A crash before that loses the completions and
+	// the releases together: the jobs run again (River's at-least-once, as
+	// when a worker dies before River's completer writes), and the next
+	// jobs of their keys have not started. It also holds the NOTIFY
+	// queue's lock, which every commit that notifies takes, for no flush.
+	if _, err := tx.Exec(ctx, `SET LOCAL synchronous_commit = off`); err != nil {
 		return err
+	}
+	for _, c := range batch {
+		jctx, jcancel := context.WithTimeout(c.ctx, 10*time.Second)
+		_, err := river.JobCompleteTx[*riverpgxv5.Driver](jctx, tx, &river.Job[anyArgs]{JobRow: c.job})
+		jcancel()
+		if err != nil && !errors.Is(err, rivertype.ErrNotFound) {
+			return err
+		}
 	}
 	return tx.Commit(ctx)
 }

@@ -1,0 +1,410 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+	"gonum.org/v1/plot"
+	"gonum.org/v1/plot/plotter"
+	"gonum.org/v1/plot/plotutil"
+	"gonum.org/v1/plot/vg"
+	"gonum.org/v1/plot/vg/draw"
+	"gonum.org/v1/plot/vg/vgimg"
+
+	"github.com/outboxhq/outbox/dispatcher"
+	outboxriver "github.com/outboxhq/outbox/river"
+)
+
+// OrderingResults is the per-key ordering scenario (issue 11): backlogs of
+// the same size drained by the same dispatcher and River workers, with
+// and without ordering keys, and one hot key.
+type OrderingResults struct {
+	Keys    int `json:"keys"`
+	PerKey  int `json:"events_per_key"`
+	Hot     int `json:"hot_key_events"`
+	Workers int `json:"river_workers"`
+	// Runs are the drains, the unordered baseline first.
+	Runs []OrderingRun `json:"runs"`
+	// Gap is, for the hot key, the time from the end of one job's Work to
+	// the start of the next job's Work (the release path: completion
+	// transaction, trigger, NOTIFY, River's fetch).
+	Gap *Summary `json:"hot_key_next_job_start"`
+	// HotPerEventMs is the hot key's drain time per event (its jobs do
+	// nothing, so this is the whole cost of one event's turn).
+	HotPerEventMs float64 `json:"hot_key_ms_per_event"`
+}
+
+// OrderingRun is one backlog, from the start of the dispatcher and the
+// workers to the last job's Work.
+type OrderingRun struct {
+	Mode      string  `json:"mode"`
+	Events    int     `json:"events"`
+	Seconds   float64 `json:"seconds"`
+	PerSecond float64 `json:"events_per_second"`
+	// Ratio is PerSecond over the unordered baseline's.
+	Ratio float64 `json:"ratio_to_unordered"`
+	// ServerCPUms and BenchCPUms are the CPU time per 1,000 events of the
+	// backends connected to the bench's database and of this process (the
+	// dispatcher, the River workers and the bench's own sampling), over the
+	// drain: a cost that the machine's other load changes far less than
+	// the seconds. The process's idle cost grows with the seconds.
+	ServerCPUms float64 `json:"server_cpu_ms_per_1k"`
+	BenchCPUms  float64 `json:"bench_cpu_ms_per_1k"`
+	// HandoffSeconds is the time to the last event's handoff (sampled).
+	HandoffSeconds float64 `json:"handoff_seconds"`
+	// Violations counts jobs of one key that started out of order or
+	// before the previous one ended (must be 0 for ordered modes).
+	Violations int `json:"order_violations"`
+}
+
+// Ordering modes.
+const (
+	ordNoTriggers = "unordered, ordering triggers dropped"
+	ordUnordered  = "unordered"
+	ordKeys       = "ordered, many keys"
+	ordHot        = "ordered, one hot key"
+)
+
+// orderWorker records when each job's Work starts and ends, by key and
+// position.
+type orderWorker struct {
+	river.WorkerDefaults[outboxriver.EventArgs]
+	mu     sync.Mutex
+	runs   map[string][]orderRun
+	worked atomic.Int64
+}
+
+type orderRun struct {
+	id         int64
+	start, end time.Time
+}
+
+func (w *orderWorker) Work(_ context.Context, job *river.Job[outboxriver.EventArgs]) error {
+	start := time.Now()
+	key := ""
+	if job.Args.OrderingKey != nil {
+		key = *job.Args.OrderingKey
+	}
+	end := time.Now()
+	w.mu.Lock()
+	w.runs[key] = append(w.runs[key], orderRun{id: job.Args.EventID, start: start, end: end})
+	w.mu.Unlock()
+	w.worked.Add(1)
+	return nil
+}
+
+func runOrdering(ctx context.Context, e *env, o *Options) (*OrderingResults, error) {
+	res := &OrderingResults{Keys: 10_000, PerKey: 10, Hot: 10_000, Workers: 50}
+	if o.Quick {
+		res.Keys, res.Hot = 1_000, 1_000
+	}
+	n := res.Keys * res.PerKey
+	specs := []struct {
+		mode       string
+		events     int
+		keys       int // 0: no ordering key
+		noTriggers bool
+	}{
+		{ordNoTriggers, n, 0, true},
+		{ordUnordered, n, 0, false},
+		{ordKeys, n, res.Keys, false},
+		{ordHot, res.Hot, 1, false},
+	}
+	var base float64
+	for i, s := range specs {
+		r, w, err := orderingRun(ctx, e, fmt.Sprintf("ordering_%d", i), s.events, s.keys, s.noTriggers, res.Workers)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", s.mode, err)
+		}
+		r.Mode = s.mode
+		if s.mode == ordUnordered {
+			base = r.PerSecond
+		}
+		if base > 0 {
+			r.Ratio = r.PerSecond / base
+		}
+		if s.keys > 0 {
+			r.Violations = violations(w.runs)
+		}
+		if s.mode == ordHot {
+			res.HotPerEventMs = r.Seconds * 1000 / float64(r.Events)
+			res.Gap = gaps(w.runs)
+		}
+		logf("ordering: %s: %d events in %.2f s (handed off in %.2f s) = %.0f ev/s (%.2f× unordered), %d order violations; CPU per 1k events: postgres %.0f ms, dispatcher+workers %.0f ms",
+			s.mode, r.Events, r.Seconds, r.HandoffSeconds, r.PerSecond, r.Ratio, r.Violations, r.ServerCPUms, r.BenchCPUms)
+		res.Runs = append(res.Runs, r)
+	}
+	if res.Gap != nil {
+		logf("ordering: hot key: %.3f ms per event; next job starts p50 %.2f ms p99 %.2f ms after the previous one ends",
+			res.HotPerEventMs, res.Gap.P50, res.Gap.P99)
+	}
+	return res, nil
+}
+
+// orderingRun loads a backlog of n events (keyed round-robin over keys
+// keys, or without keys) into a fresh schema, then starts the workers and
+// the dispatcher and times the drain to the last job's start.
+func orderingRun(ctx context.Context, e *env, schema string, n, keys int, noTriggers bool, workers int) (OrderingRun, *orderWorker, error) {
+	r := OrderingRun{Events: n}
+	p, err := e.migrated(ctx, schema, 24)
+	if err != nil {
+		return r, nil, err
+	}
+	defer p.Close()
+	if noTriggers {
+		if _, err := p.Exec(ctx, `
+			DROP TRIGGER outbox_ordering_enqueue ON river_job;
+			DROP TRIGGER outbox_ordering_settled ON river_job;
+			DROP TRIGGER outbox_event_ordering ON outbox_event`); err != nil {
+			return r, nil, err
+		}
+	}
+	if err := orderedBacklog(ctx, p, n, keys); err != nil {
+		return r, nil, err
+	}
+	if _, err := p.Exec(ctx, `VACUUM ANALYZE outbox_event`); err != nil {
+		return r, nil, err
+	}
+
+	w := &orderWorker{runs: map[string][]orderRun{}}
+	ws := river.NewWorkers()
+	river.AddWorker(ws, w)
+	wp, err := e.pool(ctx, schema, int32(workers/2+8), appWorkers)
+	if err != nil {
+		return r, nil, err
+	}
+	defer wp.Close()
+	cfg := outboxriver.WorkerConfig(ws, map[string]int{benchQueue: workers}, outboxriver.WorkerLatency{})
+	cfg.Logger = e.quiet
+	rc, err := river.NewClient(riverpgxv5.New(wp), cfg)
+	if err != nil {
+		return r, nil, err
+	}
+	srv0, self0 := backendCPU(ctx, p), selfCPUSeconds()
+	start := time.Now()
+	if err := rc.Start(ctx); err != nil {
+		return r, nil, err
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		defer cancel()
+		_ = rc.Stop(sctx)
+	}()
+	d, err := dispatcher.New(p, dispatcher.Config{Routes: e.routes, PollInterval: time.Second, Logger: e.quiet})
+	if err != nil {
+		return r, nil, err
+	}
+	if err := d.Start(ctx); err != nil {
+		return r, nil, err
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		defer cancel()
+		_ = d.Stop(sctx)
+	}()
+	limit := time.Now().Add(10 * time.Minute)
+	handedOff := false
+	for w.worked.Load() < int64(n) {
+		if !handedOff {
+			var pending int
+			if err := p.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE status = 'pending'`).Scan(&pending); err == nil && pending == 0 {
+				handedOff = true
+				r.HandoffSeconds = time.Since(start).Seconds()
+			}
+		}
+		if time.Now().After(limit) {
+			return r, nil, fmt.Errorf("only %d of %d jobs worked in 10 minutes", w.worked.Load(), n)
+		}
+		select {
+		case <-ctx.Done():
+			return r, nil, ctx.Err()
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	srv1, self1 := backendCPU(ctx, p), selfCPUSeconds()
+	r.ServerCPUms = backendCPUSince(srv0, srv1) * 1e6 / float64(n)
+	r.BenchCPUms = (self1 - self0) * 1e6 / float64(n)
+	var last time.Time
+	w.mu.Lock()
+	for _, runs := range w.runs {
+		for _, run := range runs {
+			if run.start.After(last) {
+				last = run.start
+			}
+		}
+	}
+	w.mu.Unlock()
+	r.Seconds = last.Sub(start).Seconds()
+	r.PerSecond = float64(n) / r.Seconds
+	return r, w, nil
+}
+
+// orderedBacklog inserts n events, event i with key "key-<i mod keys>"
+// (none when keys is 0), in transactions of at most 500 events: every
+// distinct key a transaction publishes to holds one advisory lock until it
+// commits, and Postgres' shared lock table holds max_locks_per_transaction
+// × max_connections of them.
+func orderedBacklog(ctx context.Context, p *pgxpool.Pool, n, keys int) error {
+	const chunk = 500
+	payload, _ := json.Marshal(map[string]any{"order_id": 12345, "amount_cents": 4200, "currency": "EUR"})
+	for from := 0; from < n; from += chunk {
+		to := min(n, from+chunk)
+		var err error
+		if keys == 0 {
+			_, err = p.Exec(ctx, `INSERT INTO outbox_event (event_type, payload)
+				SELECT $1, $2::jsonb FROM generate_series($3::int, $4::int - 1) g ORDER BY g`, eventType, string(payload), from, to)
+		} else {
+			_, err = p.Exec(ctx, `INSERT INTO outbox_event (event_type, payload, ordering_key)
+				SELECT $1, $2::jsonb, 'key-' || (g % $5::int) FROM generate_series($3::int, $4::int - 1) g ORDER BY g`, eventType, string(payload), from, to, keys)
+		}
+		if err != nil {
+			return fmt.Errorf("backlog: %w", err)
+		}
+	}
+	return nil
+}
+
+// violations counts, over every key, the jobs that started before the
+// job of the previous event (by event id, which is the position order of
+// a backlog published in order) ended, or out of order.
+func violations(runs map[string][]orderRun) int {
+	bad := 0
+	for _, rs := range runs {
+		for i := 1; i < len(rs); i++ { // in start order: appended as Work began
+			if rs[i].id < rs[i-1].id || rs[i].start.Before(rs[i-1].end) {
+				bad++
+			}
+		}
+	}
+	return bad
+}
+
+// gaps is the distribution of the time from one job's end to the next
+// job's start, per key.
+func gaps(runs map[string][]orderRun) *Summary {
+	h := newHist()
+	for _, rs := range runs {
+		for i := 1; i < len(rs); i++ {
+			record(h, rs[i].start.Sub(rs[i-1].end))
+		}
+	}
+	return summarize(h)
+}
+
+// orderingMarkdown renders the scenario.
+func orderingMarkdown(r *OrderingResults) string {
+	s := fmt.Sprintf("## Per-key ordering: backlogs drained by one dispatcher and %d River workers\n\n", r.Workers)
+	s += fmt.Sprintf("Many keys: %d keys × %d events, interleaved. Hot key: %d events of one key. Jobs do no work.\n\n", r.Keys, r.PerKey, r.Hot)
+	s += "| mode | events | seconds | events/s | × unordered | order violations | Postgres CPU ms / 1k events | dispatcher + workers CPU ms / 1k |\n| --- | --: | --: | --: | --: | --: | --: | --: |\n"
+	for _, run := range r.Runs {
+		s += fmt.Sprintf("| %s | %d | %.2f | %.0f | %.2f | %d | %.0f | %.0f |\n", run.Mode, run.Events, run.Seconds, run.PerSecond, run.Ratio, run.Violations, run.ServerCPUms, run.BenchCPUms)
+	}
+	if r.Gap != nil {
+		s += fmt.Sprintf("\nHot key: %.3f ms per event. Next job's start after the previous job's end: p50 %.2f ms, p90 %.2f ms, p99 %.2f ms, p99.9 %.2f ms, max %.2f ms (%d gaps).\n",
+			r.HotPerEventMs, r.Gap.P50, r.Gap.P90, r.Gap.P99, r.Gap.P999, r.Gap.Max, r.Gap.Count)
+	}
+	return s + "\n"
+}
+
+// orderingPlot draws the drain rates of the modes as bars and, beside
+// them, the CDF of the hot key's next-job start.
+func orderingPlot(r *OrderingResults, path string) error {
+	bars := plot.New()
+	bars.Title.Text = "Drain with and without ordering keys"
+	bars.Y.Label.Text = "events/s (to the last job's start)"
+	vals := make(plotter.Values, len(r.Runs))
+	names := make([]string, len(r.Runs))
+	for i, run := range r.Runs {
+		vals[i] = run.PerSecond
+		names[i] = strings.Replace(run.Mode, ", ", "\n", 1)
+	}
+	b, err := plotter.NewBarChart(vals, vg.Points(40))
+	if err != nil {
+		return err
+	}
+	b.Color = plotutil.Color(0)
+	bars.Add(b, plotter.NewGrid())
+	bars.NominalX(names...)
+
+	cdf := plot.New()
+	cdf.Title.Text = "Hot key: next job's start after the previous job's end"
+	cdf.X.Label.Text = "ms (log scale)"
+	cdf.Y.Label.Text = "fraction of jobs"
+	cdf.X.Scale = plot.LogScale{}
+	cdf.X.Tick.Marker = plot.LogTicks{Prec: -1}
+	cdf.Y.Min, cdf.Y.Max = 0, 1
+	cdf.Add(plotter.NewGrid())
+	if r.Gap != nil && len(r.Gap.CDF) > 0 {
+		pts := make(plotter.XYs, 0, len(r.Gap.CDF))
+		for _, c := range r.Gap.CDF {
+			pts = append(pts, plotter.XY{X: max(c[0], 0.001), Y: c[1]})
+		}
+		l, err := plotter.NewLine(pts)
+		if err != nil {
+			return err
+		}
+		l.Color = plotutil.Color(1)
+		cdf.Add(l)
+	}
+
+	img := vgimg.New(vg.Points(1000), vg.Points(400))
+	dc := draw.New(img)
+	tiles := draw.Tiles{Rows: 1, Cols: 2, PadX: vg.Millimeter * 4, PadY: vg.Millimeter * 2, PadTop: vg.Millimeter * 2, PadBottom: vg.Millimeter * 2, PadLeft: vg.Millimeter * 2, PadRight: vg.Millimeter * 2}
+	canvases := plot.Align([][]*plot.Plot{{bars, cdf}}, tiles, dc)
+	bars.Draw(canvases[0][0])
+	cdf.Draw(canvases[0][1])
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if _, err := (vgimg.PngCanvas{Canvas: img}).WriteTo(f); err != nil {
+		_ = f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+// backendCPU is the CPU time (user and system) so far of every backend
+// connected to this bench's database, by pid.
+func backendCPU(ctx context.Context, p *pgxpool.Pool) map[int]float64 {
+	out := map[int]float64{}
+	rows, err := p.Query(ctx, `SELECT pid FROM pg_stat_activity WHERE datname = current_database()`)
+	if err != nil {
+		return out
+	}
+	pids, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	if err != nil {
+		return out
+	}
+	for _, pid := range pids {
+		if s, err := procCPUSeconds(int(pid)); err == nil {
+			out[int(pid)] = s
+		}
+	}
+	return out
+}
+
+// backendCPUSince is the CPU time the backends of after spent since
+// before (a backend that connected in between counts from zero).
+func backendCPUSince(before, after map[int]float64) float64 {
+	total := 0.0
+	for pid, s := range after {
+		total += s - before[pid]
+	}
+	return total
+}
+
+func selfCPUSeconds() float64 {
+	s, _ := procCPUSeconds(os.Getpid())
+	return s
+}
