@@ -104,8 +104,11 @@ CREATE TRIGGER outbox_event_ordering
 
 -- One row per (tenant, ordering key, queue) that has an unfinished ordered
 -- job: its head, the job that holds the key (any state but pending and
--- completed), and how many jobs wait behind it. tenant_id is '' for events
--- without a tenant (a tenant is never '').
+-- completed). The jobs that wait behind it are in outbox_ordering_wait.
+-- tenant_id is '' for events without a tenant (a tenant is never ''). The
+-- row is written when the key gets a head, at each release and at parking,
+-- never when a job is queued behind it: a transaction that queues many jobs
+-- of one key would otherwise write a new version of the row for each.
 CREATE TABLE IF NOT EXISTS outbox_ordering_key (
     tenant_id     text        NOT NULL,
     ordering_key  text        NOT NULL,
@@ -115,7 +118,6 @@ CREATE TABLE IF NOT EXISTS outbox_ordering_key (
     head_position bigint      NOT NULL,
     -- when the head became the head.
     head_since    timestamptz NOT NULL DEFAULT now(),
-    waiting       bigint      NOT NULL DEFAULT 0,
     -- set when the head was discarded or cancelled (or, found missing when
     -- it should have become the head, deleted): the key waits for an
     -- operator.
@@ -147,15 +149,24 @@ DECLARE
     v_key    text   := NEW.metadata->>'outbox_ordering_key';
     v_event  bigint := (NEW.metadata->>'outbox_event_id')::bigint;
     v_pos    bigint := coalesce((NEW.metadata->>'outbox_ordering_position')::bigint, NEW.id);
-    v_head   bigint;
 BEGIN
-    INSERT INTO outbox_ordering_key AS k (tenant_id, ordering_key, queue, head_job_id, head_event_id, head_position)
-    VALUES (v_tenant, v_key, NEW.queue, NEW.id, v_event, v_pos)
-    ON CONFLICT (tenant_id, ordering_key, queue) DO UPDATE SET waiting = k.waiting + 1
-    RETURNING k.head_job_id INTO v_head;
-    IF v_head = NEW.id THEN
-        RETURN NEW;
-    END IF;
+    -- The key's row is locked either way until this transaction ends (as
+    -- its inserter, or FOR UPDATE), so that the release of its head, which
+    -- locks it too, sees this job's wait row or runs before it is queued.
+    LOOP
+        INSERT INTO outbox_ordering_key (tenant_id, ordering_key, queue, head_job_id, head_event_id, head_position)
+        VALUES (v_tenant, v_key, NEW.queue, NEW.id, v_event, v_pos)
+        ON CONFLICT (tenant_id, ordering_key, queue) DO NOTHING;
+        IF FOUND THEN
+            RETURN NEW; -- the key was free: this job is its head
+        END IF;
+        PERFORM 1 FROM outbox_ordering_key k
+        WHERE k.tenant_id = v_tenant AND k.ordering_key = v_key AND k.queue = NEW.queue
+        FOR UPDATE;
+        EXIT WHEN FOUND;
+        -- The head was released and the key's row deleted in between: try
+        -- to become the head again.
+    END LOOP;
     INSERT INTO outbox_ordering_wait (tenant_id, ordering_key, queue, position, job_id, event_id)
     VALUES (v_tenant, v_key, NEW.queue, v_pos, NEW.id, v_event);
     NEW.state := 'pending';
@@ -195,13 +206,10 @@ BEGIN
         SELECT r.state::text INTO v_state FROM river_job r WHERE r.id = w.job_id FOR UPDATE;
         v_found := FOUND;
         IF v_found AND v_state = 'completed' THEN
-            UPDATE outbox_ordering_key k SET waiting = greatest(k.waiting - 1, 0)
-            WHERE k.tenant_id = p_tenant AND k.ordering_key = p_key AND k.queue = p_queue;
             CONTINUE;
         END IF;
         UPDATE outbox_ordering_key k
         SET head_job_id = w.job_id, head_event_id = w.event_id, head_position = w.position, head_since = now(),
-            waiting = greatest(k.waiting - 1, 0),
             parked_at = CASE WHEN NOT v_found OR v_state IN ('cancelled', 'discarded') THEN now() END,
             parked_state = CASE WHEN NOT v_found THEN 'deleted' WHEN v_state IN ('cancelled', 'discarded') THEN v_state END
         WHERE k.tenant_id = p_tenant AND k.ordering_key = p_key AND k.queue = p_queue;
@@ -590,7 +598,9 @@ BEGIN
             USING ERRCODE = '22023', HINT = 'retry runs the parked head job again; skip leaves it and releases the next job of the key';
     END IF;
     FOR k IN
-        SELECT x.* FROM outbox_ordering_key x
+        SELECT x.*, (SELECT count(*) FROM outbox_ordering_wait w
+                     WHERE w.tenant_id = x.tenant_id AND w.ordering_key = x.ordering_key AND w.queue = x.queue) AS waiting
+        FROM outbox_ordering_key x
         WHERE x.tenant_id = coalesce(outbox_unpark.tenant_id, '') AND x.ordering_key = outbox_unpark.ordering_key
           AND (outbox_unpark.queue IS NULL OR x.queue = outbox_unpark.queue)
           AND x.parked_at IS NOT NULL
