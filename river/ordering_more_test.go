@@ -591,3 +591,97 @@ func TestOrderWithoutCompletionMiddleware(t *testing.T) {
 		}
 	}
 }
+
+// NextRetry retries the first failed attempt of key "cancelmark" an hour
+// later, so that a test can cancel it by hand while it is retryable; other
+// jobs use the client's retry policy.
+func (p *probe) NextRetry(job *river.Job[probeArgs]) time.Time {
+	if job.Args.Key == "cancelmark" && job.Attempt == 1 {
+		return time.Now().Add(time.Hour)
+	}
+	return time.Time{}
+}
+
+// TestRiverActionsKeepTheOrder: what an operator does to ordered jobs with
+// River's own tools (River UI, the client's JobRetry and JobCancel) keeps
+// the order. River's retry of a waiting (pending) job, or of a waiting job
+// cancelled by hand, does not let it overtake the head: it waits for its
+// turn; and a head cancelled by River and retried through
+// outbox_unpark is retried again when that attempt fails, as any job,
+// instead of being cancelled by River's leftover cancel mark.
+func TestRiverActionsKeepTheOrder(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 180*time.Second)
+	p := newProbe()
+	client := probeClient(t, s.Pool, p, "ord")
+	startDispatcher(t, s.Pool, probeRoutes(t))
+
+	t.Run("River's retry of a waiting job", func(t *testing.T) {
+		hold := make(chan struct{})
+		var once sync.Once
+		t.Cleanup(func() { once.Do(func() { close(hold) }) })
+		p.hook("jump", func(ctx context.Context, job *river.Job[probeArgs]) error {
+			if job.Args.Seq != 0 {
+				return nil
+			}
+			select {
+			case <-hold:
+				return nil
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		})
+		publishSeqs(t, s.Pool, "order.item.changed", "jump", true, 0, 1, 2)
+		pgtest.WaitFor(t, 60*time.Second, "seq 0 running and seq 2 queued", func() bool {
+			return jobOf(t, s.Pool, "ord", "jump", 0).state == "running" && jobOf(t, s.Pool, "ord", "jump", 2).id != 0
+		})
+		// Seq 1 is cancelled by hand and then retried: it takes its turn
+		// again. Seq 2 is retried while it waits: it keeps its turn.
+		if _, err := client.JobCancel(ctx, jobOf(t, s.Pool, "ord", "jump", 1).id); err != nil {
+			t.Fatal(err)
+		}
+		for _, seq := range []int{1, 2} {
+			if _, err := client.JobRetry(ctx, jobOf(t, s.Pool, "ord", "jump", seq).id); err != nil {
+				t.Fatal(err)
+			}
+		}
+		wantStates(t, s.Pool, "ord", "jump", map[int]string{0: "running", 1: "pending", 2: "pending"})
+		once.Do(func() { close(hold) })
+		pgtest.WaitFor(t, 60*time.Second, "the key drained", func() bool { return len(p.ended("ord/jump")) == 3 })
+		if got := p.started("ord/jump"); !slices.Equal(got, []int{0, 1, 2}) || p.most("ord/jump") != 1 {
+			t.Errorf("start order %v with %d at once, want [0 1 2] one at a time", got, p.most("ord/jump"))
+		}
+	})
+
+	t.Run("outbox_unpark retry of a head River cancelled", func(t *testing.T) {
+		p.hook("cancelmark", func(_ context.Context, job *river.Job[probeArgs]) error {
+			if job.Args.Seq == 0 && job.Attempt < 3 {
+				return fmt.Errorf("attempt %d fails", job.Attempt)
+			}
+			return nil
+		})
+		publishSeqs(t, s.Pool, "order.item.changed", "cancelmark", true, 0, 1)
+		pgtest.WaitFor(t, 60*time.Second, "the head retryable", func() bool { return jobOf(t, s.Pool, "ord", "cancelmark", 0).state == "retryable" })
+		head := jobOf(t, s.Pool, "ord", "cancelmark", 0)
+		if _, err := client.JobCancel(ctx, head.id); err != nil {
+			t.Fatal(err)
+		}
+		if k := keyOf(t, s.Pool, "ord", "cancelmark"); k.parkedState != "cancelled" {
+			t.Fatalf("key row after River cancelled the head: %+v, want parked cancelled", k)
+		}
+		if n := unpark(t, s.Pool, "cancelmark", "retry", false); n != 1 {
+			t.Fatalf("unpark retry touched %d keys", n)
+		}
+		// Attempt 2 fails: the head must be retried (attempt 3 succeeds),
+		// not cancelled again.
+		pgtest.WaitFor(t, 60*time.Second, "the head finalized", func() bool {
+			st := jobOf(t, s.Pool, "ord", "cancelmark", 0).state
+			return st == "completed" || st == "cancelled" || st == "discarded"
+		})
+		if st := jobOf(t, s.Pool, "ord", "cancelmark", 0).state; st != "completed" {
+			t.Fatalf("the head retried by outbox_unpark is %s after a failed attempt, want retried and completed (River's cancel mark left in its metadata?)", st)
+		}
+		pgtest.WaitFor(t, 60*time.Second, "the key drained", func() bool { return len(p.ended("ord/cancelmark")) == 2 })
+	})
+}
