@@ -592,11 +592,11 @@ func TestOrderWithoutCompletionMiddleware(t *testing.T) {
 	}
 }
 
-// NextRetry retries the first failed attempt of key "cancelmark" an hour
-// later, so that a test can cancel it by hand while it is retryable; other
-// jobs use the client's retry policy.
+// NextRetry retries the first failed attempt of keys "cancelmark" and
+// "deletedhead" an hour later, so that a test can cancel or delete it by
+// hand while it is retryable; other jobs use the client's retry policy.
 func (p *probe) NextRetry(job *river.Job[probeArgs]) time.Time {
-	if job.Args.Key == "cancelmark" && job.Attempt == 1 {
+	if (job.Args.Key == "cancelmark" || job.Args.Key == "deletedhead") && job.Attempt == 1 {
 		return time.Now().Add(time.Hour)
 	}
 	return time.Time{}
@@ -608,7 +608,9 @@ func (p *probe) NextRetry(job *river.Job[probeArgs]) time.Time {
 // cancelled by hand, does not let it overtake the head: it waits for its
 // turn; and a head cancelled by River and retried through
 // outbox_unpark is retried again when that attempt fails, as any job,
-// instead of being cancelled by River's leftover cancel mark.
+// instead of being cancelled by River's leftover cancel mark; a head
+// deleted in River (River UI's delete of a retryable job) parks its key as
+// deleted instead of leaving it stuck unseen.
 func TestRiverActionsKeepTheOrder(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
@@ -683,5 +685,26 @@ func TestRiverActionsKeepTheOrder(t *testing.T) {
 			t.Fatalf("the head retried by outbox_unpark is %s after a failed attempt, want retried and completed (River's cancel mark left in its metadata?)", st)
 		}
 		pgtest.WaitFor(t, 60*time.Second, "the key drained", func() bool { return len(p.ended("ord/cancelmark")) == 2 })
+	})
+	t.Run("River's delete of the head", func(t *testing.T) {
+		p.hook("deletedhead", func(_ context.Context, job *river.Job[probeArgs]) error {
+			if job.Args.Seq == 0 {
+				return errors.New("the receiver fails")
+			}
+			return nil
+		})
+		publishSeqs(t, s.Pool, "order.item.changed", "deletedhead", true, 0, 1)
+		pgtest.WaitFor(t, 60*time.Second, "the head retryable", func() bool { return jobOf(t, s.Pool, "ord", "deletedhead", 0).state == "retryable" })
+		head := jobOf(t, s.Pool, "ord", "deletedhead", 0)
+		if _, err := client.JobDelete(ctx, head.id); err != nil {
+			t.Fatal(err)
+		}
+		if k := keyOf(t, s.Pool, "ord", "deletedhead"); k.parkedState != "deleted" || k.headJob != head.id {
+			t.Fatalf("key row after River deleted the head: %+v, want parked deleted on job %d", k, head.id)
+		}
+		if n := unpark(t, s.Pool, "deletedhead", "skip", false); n != 1 {
+			t.Fatalf("unpark skip touched %d keys", n)
+		}
+		pgtest.WaitFor(t, 60*time.Second, "the key drained", func() bool { return len(p.ended("ord/deletedhead")) == 1 })
 	})
 }
