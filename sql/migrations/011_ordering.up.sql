@@ -578,6 +578,27 @@ CREATE TRIGGER outbox_ordering_settled
                        AND NEW.metadata ? 'outbox_ordering_key')
     EXECUTE FUNCTION outbox_ordering_settled();
 
+-- outbox_ordering_deleted: the head of a key was deleted before it was
+-- finalized (River UI's delete, Client.JobDelete, of a retryable or
+-- scheduled head; or River's cleaner, of a parked discarded one): the key
+-- parks as deleted, so that it shows, alerts and an operator skips it,
+-- instead of waiting unseen for a job that no longer exists.
+CREATE OR REPLACE FUNCTION outbox_ordering_deleted() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER AS $$
+BEGIN
+    UPDATE outbox_ordering_key x SET parked_at = coalesce(x.parked_at, now()), parked_state = 'deleted'
+    WHERE x.tenant_id = coalesce(OLD.metadata->>'outbox_tenant_id', '') AND x.ordering_key = OLD.metadata->>'outbox_ordering_key'
+      AND x.queue = OLD.queue AND x.head_job_id = OLD.id;
+    RETURN NULL;
+END
+$$;
+
+DROP TRIGGER IF EXISTS outbox_ordering_deleted ON river_job;
+CREATE TRIGGER outbox_ordering_deleted
+    AFTER DELETE ON river_job
+    FOR EACH ROW WHEN (OLD.state <> 'completed' AND OLD.metadata ? 'outbox_ordering_key')
+    EXECUTE FUNCTION outbox_ordering_deleted();
+
 -- outbox_unpark lets a parked key go on, audited. action 'retry' makes the
 -- head job available again (one more attempt if it had none left); 'skip'
 -- leaves the head as it is (discarded, cancelled or deleted) and releases
@@ -676,6 +697,7 @@ BEGIN
         'outbox_ordering_hold()',
         'outbox_ordering_advance(text, text, text, text)',
         'outbox_ordering_settled()',
+        'outbox_ordering_deleted()',
         'outbox_unpark(text, boolean, text, text, text, text, text)']::regprocedure[]
     LOOP
         EXECUTE format('ALTER FUNCTION %s SET search_path = %I, pg_temp', f, current_schema());
