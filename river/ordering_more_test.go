@@ -553,9 +553,9 @@ func TestParkedKeys(t *testing.T) {
 	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status <> 'done'`); n != 0 {
 		t.Errorf("%d events not handed off", n)
 	}
-	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state NOT IN ('completed', 'discarded', 'cancelled')`); n != 0 {
-		t.Errorf("%d jobs not finalized", n)
-	}
+	pgtest.WaitFor(t, 30*time.Second, "every job finalized", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state NOT IN ('completed', 'discarded', 'cancelled')`) == 0
+	})
 }
 
 // TestOrderWithoutCompletionMiddleware: a River client configured by hand,
