@@ -180,6 +180,34 @@ CREATE TRIGGER outbox_ordering_enqueue
     FOR EACH ROW WHEN (NEW.metadata ? 'outbox_ordering_key')
     EXECUTE FUNCTION outbox_ordering_enqueue();
 
+-- outbox_ordering_hold keeps a waiting job pending when something other
+-- than outbox_ordering_advance (which takes it off outbox_ordering_wait
+-- first) would make it runnable: River's retry (River UI, Client.JobRetry)
+-- of a pending job, or of a waiting job cancelled by hand, would otherwise
+-- let it overtake the head. It waits for its turn instead. Cancelling or
+-- deleting a waiting job stays possible (the key parks when its turn
+-- comes).
+CREATE OR REPLACE FUNCTION outbox_ordering_hold() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM outbox_ordering_wait w
+               WHERE w.tenant_id = coalesce(NEW.metadata->>'outbox_tenant_id', '')
+                 AND w.ordering_key = NEW.metadata->>'outbox_ordering_key'
+                 AND w.queue = NEW.queue AND w.job_id = NEW.id) THEN
+        NEW.state := 'pending';
+        NEW.scheduled_at := OLD.scheduled_at;
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+DROP TRIGGER IF EXISTS outbox_ordering_hold ON river_job;
+CREATE TRIGGER outbox_ordering_hold
+    BEFORE UPDATE OF state ON river_job
+    FOR EACH ROW WHEN (OLD.state IN ('pending', 'cancelled', 'discarded') AND NEW.state IN ('available', 'scheduled', 'retryable', 'running')
+                       AND NEW.metadata ? 'outbox_ordering_key')
+    EXECUTE FUNCTION outbox_ordering_hold();
+
 -- outbox_ordering_advance makes the next waiting job of a key its head
 -- (the caller holds the key's row lock). A waiting job that is no longer
 -- pending (cancelled or deleted by hand while it waited) becomes the head
@@ -558,6 +586,27 @@ CREATE TRIGGER outbox_ordering_settled
                        AND NEW.metadata ? 'outbox_ordering_key')
     EXECUTE FUNCTION outbox_ordering_settled();
 
+-- outbox_ordering_deleted: the head of a key was deleted before it was
+-- finalized (River UI's delete, Client.JobDelete, of a retryable or
+-- scheduled head; or River's cleaner, of a parked discarded one): the key
+-- parks as deleted, so that it shows, alerts and an operator skips it,
+-- instead of waiting unseen for a job that no longer exists.
+CREATE OR REPLACE FUNCTION outbox_ordering_deleted() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER AS $$
+BEGIN
+    UPDATE outbox_ordering_key x SET parked_at = coalesce(x.parked_at, now()), parked_state = 'deleted'
+    WHERE x.tenant_id = coalesce(OLD.metadata->>'outbox_tenant_id', '') AND x.ordering_key = OLD.metadata->>'outbox_ordering_key'
+      AND x.queue = OLD.queue AND x.head_job_id = OLD.id;
+    RETURN NULL;
+END
+$$;
+
+DROP TRIGGER IF EXISTS outbox_ordering_deleted ON river_job;
+CREATE TRIGGER outbox_ordering_deleted
+    AFTER DELETE ON river_job
+    FOR EACH ROW WHEN (OLD.state <> 'completed' AND OLD.metadata ? 'outbox_ordering_key')
+    EXECUTE FUNCTION outbox_ordering_deleted();
+
 -- outbox_unpark lets a parked key go on, audited. action 'retry' makes the
 -- head job available again (one more attempt if it had none left); 'skip'
 -- leaves the head as it is (discarded, cancelled or deleted) and releases
@@ -616,7 +665,10 @@ BEGIN
                 -- The settled trigger clears the parking when the state changes.
                 UPDATE river_job r
                 SET state = 'available', scheduled_at = now(), finalized_at = NULL,
-                    max_attempts = greatest(r.max_attempts, r.attempt + 1)
+                    max_attempts = greatest(r.max_attempts, r.attempt + 1),
+                    -- River's own retry drops its cancel mark too: left in
+                    -- place, River cancels the job at its next failure.
+                    metadata = r.metadata - 'cancel_attempted_at'
                 WHERE r.id = k.head_job_id;
                 IF NOT FOUND THEN
                     RAISE EXCEPTION 'outbox_unpark: the head job % of key % in queue % no longer exists (River''s cleaner deletes old discarded jobs) and cannot be retried', k.head_job_id, quote_literal(k.ordering_key), quote_literal(k.queue)
@@ -652,8 +704,10 @@ BEGIN
     FOREACH f IN ARRAY ARRAY[
         'outbox_event_ordering()',
         'outbox_ordering_enqueue()',
+        'outbox_ordering_hold()',
         'outbox_ordering_advance(text, text, text, text)',
         'outbox_ordering_settled()',
+        'outbox_ordering_deleted()',
         'outbox_unpark(text, boolean, text, text, text, text, text)']::regprocedure[]
     LOOP
         EXECUTE format('ALTER FUNCTION %s SET search_path = %I, pg_temp', f, current_schema());

@@ -1,0 +1,329 @@
+package claim_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/admin"
+	"github.com/outboxhq/outbox/claim"
+	"github.com/outboxhq/outbox/internal/pgtest"
+)
+
+// keyed is a mail event of an ordering key (and tenant).
+func keyed(tenant, key string) outbox.Event {
+	return outbox.Event{Type: "mail.order.changed", TenantID: tenant, OrderingKey: key}
+}
+
+// jobOf returns the id of event id's River job, 0 when it has none.
+func jobOf(t *testing.T, pool *pgxpool.Pool, id int64) int64 {
+	t.Helper()
+	var job int64
+	err := pool.QueryRow(context.Background(), `SELECT coalesce(max(j.id), 0) FROM river_job j WHERE (j.metadata->>'outbox_event_id')::bigint = $1`, id).Scan(&job)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return job
+}
+
+// batch runs one batch and fails the test on an error.
+func batch(t *testing.T, h *claim.Handoff) claim.Result {
+	t.Helper()
+	res, err := h.Batch(context.Background(), 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return res
+}
+
+// wantStatus checks an event's status, retries and job count.
+func wantStatus(t *testing.T, pool *pgxpool.Pool, what string, id int64, status string, retries, jobs int) {
+	t.Helper()
+	if r := get(t, pool, id); r.status != status || r.retries != retries || r.jobs != jobs {
+		t.Errorf("%s (event %d) = %+v, want %s with %d retries and %d jobs", what, id, r, status, retries, jobs)
+	}
+}
+
+// wantJobsInOrder checks that the events' jobs exist and were inserted in
+// the given order.
+func wantJobsInOrder(t *testing.T, pool *pgxpool.Pool, ids ...int64) {
+	t.Helper()
+	var prev int64
+	for i, id := range ids {
+		job := jobOf(t, pool, id)
+		if job == 0 || job <= prev {
+			t.Errorf("event %d (number %d in key order) has job %d, want one after %d", id, i, job, prev)
+		}
+		prev = job
+	}
+}
+
+// TestClaimWaitsForEarlierEventHeldByAnotherBatch: an event whose earlier
+// same-key event is pending and due but row-locked by another transaction
+// (another dispatcher's batch) is claimed and left pending, counted in
+// Blocked with BlockedSoon; events without a key and of another key in the
+// same batch are handed off. Once the other transaction ends, both events
+// of the key are handed off, in order.
+func TestClaimWaitsForEarlierEventHeldByAnotherBatch(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	h := newHandoff(t, s.Pool, 6, nil)
+	ids := pgtest.Publish(t, s.Pool, keyed("acme", "k"), keyed("acme", "k"), keyed("acme", "other"), outbox.Event{Type: "mail.a.b"})
+	other, err := s.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = other.Rollback(context.Background()) }()
+	if _, err := other.Exec(ctx, `SELECT id FROM outbox_event WHERE id = $1 FOR UPDATE`, ids[0]); err != nil {
+		t.Fatal(err)
+	}
+
+	res := batch(t, h)
+	if res.Claimed != 3 || res.Blocked != 1 || !res.BlockedSoon || res.Done != 2 {
+		t.Fatalf("batch with the head locked elsewhere: %+v, want 3 claimed, 1 blocked (soon), 2 done", res)
+	}
+	wantStatus(t, s.Pool, "the later event of the key", ids[1], "pending", 0, 0)
+	wantStatus(t, s.Pool, "the event of another key", ids[2], "done", 0, 1)
+	wantStatus(t, s.Pool, "the event without a key", ids[3], "done", 0, 1)
+
+	if err := other.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	res = batch(t, h)
+	if res.Done != 2 || res.Blocked != 0 {
+		t.Fatalf("batch after the other transaction ended: %+v, want both events of the key done", res)
+	}
+	wantJobsInOrder(t, s.Pool, ids[0], ids[1])
+}
+
+// TestClaimWaitsForEarlierEventNotYetDue: an event behind an earlier event
+// of its key that is not due yet (NotBefore) waits, without BlockedSoon
+// (nothing will hand the earlier one off shortly), until the earlier one is
+// due; then both go in order.
+func TestClaimWaitsForEarlierEventNotYetDue(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	h := newHandoff(t, s.Pool, 6, nil)
+	later := keyed("", "k")
+	first := later
+	first.NotBefore = time.Now().Add(time.Hour)
+	ids := pgtest.Publish(t, s.Pool, first, later)
+	for range 2 {
+		if res := batch(t, h); res.Claimed != 1 || res.Blocked != 1 || res.BlockedSoon || res.Done != 0 {
+			t.Fatalf("batch with the head not due: %+v, want the later event blocked (not soon)", res)
+		}
+	}
+	wantStatus(t, s.Pool, "the later event", ids[1], "pending", 0, 0)
+	if _, err := s.Pool.Exec(context.Background(), `UPDATE outbox_event SET scheduled_at = now() - interval '1 second' WHERE id = $1`, ids[0]); err != nil {
+		t.Fatal(err)
+	}
+	if res := batch(t, h); res.Done != 2 {
+		t.Fatalf("batch with the head due: %+v, want both done", res)
+	}
+	wantJobsInOrder(t, s.Pool, ids[0], ids[1])
+}
+
+// TestClaimWaitsBehindDeadLetteredEvent: an event whose River insert fails
+// is dead-lettered (MaxRetries 0) in the event-by-event fallback, and the
+// later event of its key, in the same batch, is skipped there without
+// being charged. Later batches keep it pending (Blocked, not soon) while
+// the earlier event is failed; a requeue (outbox_requeue) lets both go, in
+// order. A second key whose failed head is cancelled (admin.Cancel) lets
+// its later event go too.
+func TestClaimWaitsBehindDeadLetteredEvent(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	poisonRiver(t, s.Pool)
+	h := newHandoff(t, s.Pool, 0, nil)
+	poison := func(key string) outbox.Event { return outbox.Event{Type: "poison.order.changed", OrderingKey: key} }
+	ids := pgtest.Publish(t, s.Pool, poison("requeued"), keyed("", "requeued"), poison("cancelled"), keyed("", "cancelled"))
+
+	res := batch(t, h)
+	if !res.Fallback || res.DeadLettered != 2 || res.Skipped != 2 || res.Done != 0 {
+		t.Fatalf("batch with poisoned heads: %+v, want both heads dead-lettered and both later events skipped", res)
+	}
+	wantStatus(t, s.Pool, "dead-lettered head", ids[0], "failed", 1, 0)
+	for _, id := range []int64{ids[1], ids[3]} {
+		wantStatus(t, s.Pool, "the later event", id, "pending", 0, 0)
+		if r := get(t, s.Pool, id); r.lastError != "" {
+			t.Errorf("the skipped event %d got last_error %q", id, r.lastError)
+		}
+	}
+	for range 2 {
+		if res := batch(t, h); res.Claimed != 2 || res.Blocked != 2 || res.BlockedSoon || res.Done != 0 {
+			t.Fatalf("batch behind dead-lettered heads: %+v, want both later events blocked (not soon)", res)
+		}
+	}
+
+	if _, err := s.Pool.Exec(ctx, `DROP TRIGGER reject_poison ON river_job`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Pool.Exec(ctx, `SELECT * FROM outbox_requeue('test', false, ids => $1)`, []int64{ids[0]}); err != nil {
+		t.Fatal(err)
+	}
+	cancelled, err := admin.New(s.Pool).Cancel(ctx, admin.Selection{IDs: []int64{ids[2]}}, admin.CancelOpts{Actor: "test"})
+	if err != nil || cancelled.Affected != 1 {
+		t.Fatalf("cancel the second head: %+v, %v", cancelled, err)
+	}
+	if res := batch(t, h); res.Done != 3 || res.Blocked != 0 {
+		t.Fatalf("batch after the requeue and the cancel: %+v, want 3 done", res)
+	}
+	wantJobsInOrder(t, s.Pool, ids[0], ids[1])
+	wantStatus(t, s.Pool, "the cancelled head", ids[2], "cancelled", 1, 0)
+	wantStatus(t, s.Pool, "the event behind the cancelled head", ids[3], "done", 0, 1)
+}
+
+// TestUnroutableEventStopsItsKeyInTheBatch: an unroutable keyed event is
+// failed at once, and the later events of its key in the same batch stay
+// pending (Blocked), not failed, while other keys and unkeyed events of the
+// batch are handed off. They wait behind the failed event until it is
+// cancelled.
+func TestUnroutableEventStopsItsKeyInTheBatch(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	h := newHandoff(t, s.Pool, 6, nil)
+	ids := pgtest.Publish(t, s.Pool,
+		outbox.Event{Type: "nowhere.order.changed", OrderingKey: "k"},
+		keyed("", "k"), keyed("", "k"), keyed("", "other"), outbox.Event{Type: "mail.a.b"})
+
+	res := batch(t, h)
+	if res.Unroutable != 1 || res.Blocked != 2 || res.Done != 2 || res.Fallback {
+		t.Fatalf("batch: %+v, want 1 unroutable, 2 blocked, 2 done", res)
+	}
+	if r := get(t, s.Pool, ids[0]); r.status != "failed" {
+		t.Errorf("the unroutable event = %+v, want failed", r)
+	}
+	wantStatus(t, s.Pool, "the first event behind the unroutable one", ids[1], "pending", 0, 0)
+	wantStatus(t, s.Pool, "the second event behind the unroutable one", ids[2], "pending", 0, 0)
+	wantStatus(t, s.Pool, "the event of another key", ids[3], "done", 0, 1)
+	wantStatus(t, s.Pool, "the event without a key", ids[4], "done", 0, 1)
+
+	if res := batch(t, h); res.Blocked != 2 || res.Done != 0 || res.Unroutable != 0 {
+		t.Fatalf("next batch: %+v, want both later events still blocked", res)
+	}
+	if _, err := s.Pool.Exec(ctx, `SELECT * FROM outbox_cancel('test', false, ids => $1)`, []int64{ids[0]}); err != nil {
+		t.Fatal(err)
+	}
+	if res := batch(t, h); res.Done != 2 {
+		t.Fatalf("batch after the cancel: %+v, want 2 done", res)
+	}
+	wantJobsInOrder(t, s.Pool, ids[1], ids[2])
+}
+
+// TestTenantsKeysAreApart: the same ordering key in two tenants (and
+// without a tenant) are three keys: an earlier event of tenant a held by
+// another transaction blocks only tenant a's later event.
+func TestTenantsKeysAreApart(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	h := newHandoff(t, s.Pool, 6, nil)
+	ids := pgtest.Publish(t, s.Pool, keyed("a", "k"), keyed("a", "k"), keyed("b", "k"), keyed("", "k"))
+	other, err := s.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = other.Rollback(context.Background()) }()
+	if _, err := other.Exec(ctx, `SELECT id FROM outbox_event WHERE id = $1 FOR UPDATE`, ids[0]); err != nil {
+		t.Fatal(err)
+	}
+	if res := batch(t, h); res.Blocked != 1 || res.Done != 2 {
+		t.Fatalf("batch: %+v, want tenant a's later event blocked and the other tenants' events done", res)
+	}
+	wantStatus(t, s.Pool, "tenant a's later event", ids[1], "pending", 0, 0)
+	wantStatus(t, s.Pool, "tenant b's event", ids[2], "done", 0, 1)
+	wantStatus(t, s.Pool, "the tenantless event", ids[3], "done", 0, 1)
+}
+
+// TestJobsOfAKeyAreInsertedInPositionOrder: two events of a key whose ids
+// disagree with their positions (the later position has the smaller id,
+// as when a producer draws its id before waiting for the key's lock) and
+// the same scheduled_at are claimed in id order; their River jobs are
+// inserted in position order, so the earlier position's job is the head
+// and the other waits pending.
+func TestJobsOfAKeyAreInsertedInPositionOrder(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	h := newHandoff(t, s.Pool, 6, nil)
+	const unkeyed = 700
+	tx, err := s.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	// The same transaction: the same now() for scheduled_at.
+	for _, q := range []string{
+		`INSERT INTO outbox_event (id, event_type, payload, ordering_key) OVERRIDING SYSTEM VALUE VALUES (1000, 'mail.order.changed', '{}', 'k')`,
+		`INSERT INTO outbox_event (id, event_type, payload) OVERRIDING SYSTEM VALUE VALUES (700, 'mail.a.b', '{}')`,
+		`INSERT INTO outbox_event (id, event_type, payload, ordering_key) OVERRIDING SYSTEM VALUE VALUES (500, 'mail.order.changed', '{}', 'k')`,
+	} {
+		if _, err := tx.Exec(ctx, q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event a JOIN outbox_event b ON a.id = 1000 AND b.id = 500 WHERE a.ordering_position < b.ordering_position AND a.scheduled_at = b.scheduled_at`); n != 1 {
+		t.Fatal("setup: event 1000 should have the earlier position and the same scheduled_at as event 500")
+	}
+	if res := batch(t, h); res.Done != 3 {
+		t.Fatalf("batch: %+v, want 3 done", res)
+	}
+	wantJobsInOrder(t, s.Pool, 1000, 500)
+	if jobOf(t, s.Pool, unkeyed) == 0 {
+		t.Error("the unkeyed event has no job")
+	}
+	var headEvent int64
+	var waiting int
+	if err := s.Pool.QueryRow(ctx, `SELECT head_event_id, waiting FROM outbox_ordering_key WHERE ordering_key = 'k'`).Scan(&headEvent, &waiting); err != nil {
+		t.Fatal(err)
+	}
+	var state string
+	if err := s.Pool.QueryRow(ctx, `SELECT state::text FROM river_job WHERE id = $1`, jobOf(t, s.Pool, 500)).Scan(&state); err != nil {
+		t.Fatal(err)
+	}
+	if headEvent != 1000 || waiting != 1 || state != "pending" {
+		t.Errorf("head event %d, %d waiting, the later position's job %s; want head 1000, 1 waiting, pending", headEvent, waiting, state)
+	}
+}
+
+// TestOneSkipsABlockedEventWithoutCharge: the event-by-event handoff
+// (Handoff.One, the fallback of a failed batch) leaves an event whose
+// earlier same-key event is not handed off yet: Skipped, no retry charged,
+// no last_error, no new due time, no job.
+func TestOneSkipsABlockedEventWithoutCharge(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	h := newHandoff(t, s.Pool, 6, nil)
+	first := keyed("", "k")
+	first.NotBefore = time.Now().Add(time.Hour)
+	ids := pgtest.Publish(t, s.Pool, first, keyed("", "k"))
+	before := get(t, s.Pool, ids[1])
+	res, err := h.One(context.Background(), ids[1], errors.New("the batch failed"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Skipped != 1 || res.Done != 0 || res.Retried != 0 || res.DeadLettered != 0 {
+		t.Fatalf("One of a blocked event: %+v, want skipped", res)
+	}
+	after := get(t, s.Pool, ids[1])
+	if after.status != "pending" || after.retries != 0 || after.lastError != "" || after.jobs != 0 || after.delay > before.delay+time.Second {
+		t.Errorf("the skipped event = %+v (before %+v), want it untouched", after, before)
+	}
+	// Unblocked, One hands it off.
+	if _, err := s.Pool.Exec(context.Background(), `UPDATE outbox_event SET status = 'cancelled' WHERE id = $1`, ids[0]); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := h.One(context.Background(), ids[1], nil); err != nil || res.Done != 1 {
+		t.Fatalf("One once unblocked: %+v, %v", res, err)
+	}
+}
