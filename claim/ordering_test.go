@@ -284,7 +284,7 @@ func TestJobsOfAKeyAreInsertedInPositionOrder(t *testing.T) {
 	}
 	var headEvent int64
 	var waiting int
-	if err := s.Pool.QueryRow(ctx, `SELECT head_event_id, waiting FROM outbox_ordering_key WHERE ordering_key = 'k'`).Scan(&headEvent, &waiting); err != nil {
+	if err := s.Pool.QueryRow(ctx, `SELECT head_event_id, (SELECT count(*) FROM outbox_ordering_wait WHERE ordering_key = 'k') FROM outbox_ordering_key WHERE ordering_key = 'k'`).Scan(&headEvent, &waiting); err != nil {
 		t.Fatal(err)
 	}
 	var state string

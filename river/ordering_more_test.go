@@ -220,7 +220,10 @@ func keyOf(t *testing.T, pool *pgxpool.Pool, queue, key string) keyRow {
 	var k keyRow
 	var parked *string
 	err := pool.QueryRow(context.Background(), `
-		SELECT head_job_id, head_event_id, waiting, parked_state FROM outbox_ordering_key
+		SELECT head_job_id, head_event_id,
+		       (SELECT count(*) FROM outbox_ordering_wait w WHERE w.tenant_id = k.tenant_id AND w.ordering_key = k.ordering_key AND w.queue = k.queue),
+		       parked_state
+		FROM outbox_ordering_key k
 		WHERE tenant_id = '' AND ordering_key = $1 AND queue = $2`, key, queue).Scan(&k.headJob, &k.headEvent, &k.waiting, &parked)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return k

@@ -15,9 +15,9 @@ import (
 )
 
 var publishFunctions = []string{
-	"outbox_publish(text, jsonb, text, text, timestamptz, text)",
-	"outbox_publish(text, text, text, text, timestamptz, text)",
-	"outbox_publish_many(text[], jsonb[], text[], text[], timestamptz[], text[])",
+	"outbox_publish(text, jsonb, text, text, timestamptz, text, text)",
+	"outbox_publish(text, text, text, text, timestamptz, text, text)",
+	"outbox_publish_many(text[], jsonb[], text[], text[], timestamptz[], text[], text[])",
 }
 
 // TestPublishFunctionsAreDefinerWithPinnedSearchPath: the publish functions
