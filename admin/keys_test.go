@@ -410,3 +410,41 @@ func TestPublishCarriesTheOrderingKey(t *testing.T) {
 		t.Fatal("the ordering key was not stored")
 	}
 }
+
+// TestUnparkReleasesAKeyWhoseHeadWasDeleted shows a defect of migration
+// 011: a head job deleted before it was finalized (River UI deletes an
+// available, scheduled or retryable job) leaves its key's row pointing at a
+// job that no longer exists, unparked, so nothing ever releases the jobs
+// behind it: no trigger fires on DELETE, and outbox_unpark touches parked
+// keys only. Keys lists it (head_missing); Unpark --skip must release the
+// next job. It fails until the core parks such a key (parked_state
+// 'deleted'), by an AFTER DELETE trigger on river_job or in outbox_unpark.
+func TestUnparkReleasesAKeyWhoseHeadWasDeleted(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, time.Minute)
+	cl := admin.New(s.Pool)
+	evs := keyed(t, s, "", "gone", 2)
+	handOff(t, s)
+	head, next := jobOf(t, s, evs[0]), jobOf(t, s, evs[1])
+	// River UI's delete of a retryable job.
+	if _, err := s.Pool.Exec(ctx, `UPDATE river_job SET state = 'retryable', attempt = 1, scheduled_at = now() + interval '1 hour' WHERE id = $1`, head); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Pool.Exec(ctx, `DELETE FROM river_job WHERE id = $1`, head); err != nil {
+		t.Fatal(err)
+	}
+	list, err := cl.Keys(ctx, admin.KeysFilter{Key: "gone"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(list.Keys) != 1 || list.Keys[0].Head.JobFound {
+		t.Fatalf("keys %+v, want the key with its head gone", list.Keys)
+	}
+	if _, err := cl.Unpark(ctx, admin.UnparkRequest{Actor: "alice", Key: "gone", Action: admin.UnparkSkip}); err != nil {
+		t.Fatalf("skip of a deleted head: %v", err)
+	}
+	if st := jobState(t, s, next); st != "available" {
+		t.Fatalf("the job behind the deleted head is %s, want available", st)
+	}
+}
