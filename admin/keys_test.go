@@ -448,3 +448,51 @@ func TestUnparkReleasesAKeyWhoseHeadWasDeleted(t *testing.T) {
 		t.Fatalf("the job behind the deleted head is %s, want available", st)
 	}
 }
+
+// TestKeysAndUnparkPerQueue: an event routed to two queues is ordered in
+// each; a key parked in one queue is listed for that queue only, an unpark
+// naming the other queue says where it is parked, and unparking the parked
+// queue leaves the other alone.
+func TestKeysAndUnparkPerQueue(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, time.Minute)
+	cl := admin.New(s.Pool)
+	routes, err := route.New([]route.Rule{{Prefix: "order.", Queues: []string{"outbox_order", "outbox_audit"}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rc, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	evs := keyed(t, s, "acme", "fan", 2)
+	if _, err := (&claim.Handoff{Pool: s.Pool, River: rc, Routes: routes, MaxRetries: 6}).Batch(ctx, 100); err != nil {
+		t.Fatal(err)
+	}
+	var orderHead, auditHead int64
+	if err := s.Pool.QueryRow(ctx, `SELECT (SELECT id FROM river_job WHERE id = ANY(e.river_job_ids) AND queue = 'outbox_order'),
+		(SELECT id FROM river_job WHERE id = ANY(e.river_job_ids) AND queue = 'outbox_audit') FROM outbox_event e WHERE e.id = $1`, evs[0]).Scan(&orderHead, &auditHead); err != nil {
+		t.Fatal(err)
+	}
+	discard(t, s, orderHead)
+
+	list, err := cl.Keys(ctx, admin.KeysFilter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(list.Keys) != 1 || list.Keys[0].Queue != "outbox_order" || *list.Keys[0].Head.JobID != orderHead {
+		t.Fatalf("keys %+v, want the key parked in outbox_order only", list.Keys)
+	}
+	_, err = cl.Unpark(ctx, admin.UnparkRequest{Actor: "a", Key: "fan", Tenant: "acme", Queue: "outbox_audit", Action: admin.UnparkRetry})
+	if !errors.Is(err, admin.ErrNotParked) || !strings.Contains(err.Error(), `parked in queue "outbox_order"`) {
+		t.Fatalf("unpark in the other queue: %v", err)
+	}
+	res, err := cl.Unpark(ctx, admin.UnparkRequest{Actor: "a", Key: "fan", Tenant: "acme", Action: admin.UnparkRetry})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Keys) != 1 || res.Keys[0].Queue != "outbox_order" || jobState(t, s, orderHead) != "available" || jobState(t, s, auditHead) != "available" {
+		t.Fatalf("unpark %+v: order head %s, audit head %s", res, jobState(t, s, orderHead), jobState(t, s, auditHead))
+	}
+}
