@@ -59,6 +59,9 @@ type Explanation struct {
 	Jobs []JobDetail `json:"jobs"`
 	// Receipts are the receivers' outbox_receipt rows, by receiver.
 	Receipts []Receipt `json:"receipts"`
+	// Ordering is what the event waits for in its key's order; nil for an
+	// event without an ordering key.
+	Ordering *OrderingDetail `json:"ordering"`
 	// AsOf is the database's clock when the event was read.
 	AsOf time.Time `json:"as_of"`
 }
@@ -76,6 +79,10 @@ type EventDetail struct {
 	ScheduledAt time.Time  `json:"scheduled_at"`
 	LockedUntil *time.Time `json:"locked_until"`
 	ProcessedAt *time.Time `json:"processed_at"`
+	// OrderingKey and OrderingPosition are nil for an event without an
+	// ordering key; the position orders the events of one (tenant, key).
+	OrderingKey      *string `json:"ordering_key"`
+	OrderingPosition *int64  `json:"ordering_position"`
 	// RiverJobIDs are the jobs the handoff inserted (empty before the
 	// handoff, and for events handed off before ids were recorded).
 	RiverJobIDs []int64 `json:"river_job_ids"`
@@ -143,7 +150,8 @@ type Receipt struct {
 
 const explainEventSQL = `
 SELECT id, event_type, tenant_id, dispatch_key, status::text, retries, last_error,
-       created_at, scheduled_at, locked_until, processed_at, coalesce(river_job_ids, '{}'), payload::text, now()
+       created_at, scheduled_at, locked_until, processed_at, coalesce(river_job_ids, '{}'), payload::text, now(),
+       ordering_key, ordering_position
 FROM outbox_event WHERE id = $1`
 
 // explainJobsSQL reads the jobs by primary key: the handoff recorded their
@@ -219,7 +227,8 @@ func (c *Client) explainEvent(ctx context.Context, id int64) (*Explanation, erro
 	e := &res.Event
 	var payload string
 	err := c.pool.QueryRow(ctx, explainEventSQL, id).Scan(&e.ID, &e.Type, &e.TenantID, &e.DispatchKey, &e.Status, &e.Retries, &e.LastError,
-		&e.CreatedAt, &e.ScheduledAt, &e.LockedUntil, &e.ProcessedAt, &e.RiverJobIDs, &payload, &res.AsOf)
+		&e.CreatedAt, &e.ScheduledAt, &e.LockedUntil, &e.ProcessedAt, &e.RiverJobIDs, &payload, &res.AsOf,
+		&e.OrderingKey, &e.OrderingPosition)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, &notFoundError{id: id}
 	}
@@ -291,6 +300,11 @@ func (c *Client) explainEvent(ctx context.Context, id int64) (*Explanation, erro
 	if err := rows.Err(); err != nil {
 		return nil, fmt.Errorf("read receipts: %w", err)
 	}
+	if e.OrderingKey != nil && e.OrderingPosition != nil {
+		if res.Ordering, err = c.explainOrdering(ctx, e, res.Jobs); err != nil {
+			return nil, err
+		}
+	}
 	return res, nil
 }
 
@@ -302,4 +316,181 @@ func embedJSON(text string) json.RawMessage {
 	}
 	quoted, _ := json.Marshal(text)
 	return quoted
+}
+
+// OrderingDetail is an event's place in the order of its (tenant, ordering
+// key): what it waits for in the outbox, and, per River queue, where its
+// job stands.
+type OrderingDetail struct {
+	Key      string `json:"ordering_key"`
+	Position int64  `json:"position"`
+	// EarlierUnfinished counts the earlier events of the key still pending,
+	// processing or failed in the outbox: while there is one, this event is
+	// not handed off. WaitsFor is the nearest of them and FirstFailed the
+	// first failed one (a dead-lettered event holds its key until it is
+	// requeued or cancelled); both nil when there is none.
+	EarlierUnfinished int64     `json:"earlier_unfinished"`
+	WaitsFor          *EventRef `json:"waits_for"`
+	FirstFailed       *EventRef `json:"first_failed"`
+	// Queues is, per River job of the event, its place in the key's order
+	// in that queue.
+	Queues []QueueOrder `json:"queues"`
+}
+
+// EventRef names one event of a key.
+type EventRef struct {
+	ID       int64  `json:"id"`
+	Status   string `json:"status"`
+	Position int64  `json:"position"`
+}
+
+// QueueOrder is where an event's job stands in its key's order in one
+// queue.
+type QueueOrder struct {
+	Queue    string `json:"queue"`
+	JobID    int64  `json:"job_id"`
+	JobState string `json:"job_state"`
+	// IsHead is true when this job holds the key in the queue.
+	IsHead bool `json:"is_head"`
+	// HeadJobID, HeadEventID and HeadState name the key's head in the
+	// queue (nil when the key has no unfinished job there); HeadState is ""
+	// when the head job no longer exists.
+	HeadJobID   *int64 `json:"head_job_id"`
+	HeadEventID *int64 `json:"head_event_id"`
+	HeadState   string `json:"head_state,omitempty"`
+	// Parked is true when the key is parked in the queue (ParkedState:
+	// discarded, cancelled or deleted, since ParkedAt).
+	Parked      bool       `json:"parked"`
+	ParkedState string     `json:"parked_state,omitempty"`
+	ParkedAt    *time.Time `json:"parked_at,omitempty"`
+	// Ahead counts the jobs of the key that wait before this one (behind
+	// the head); Behind counts the key's waiting jobs in all.
+	Ahead  int64 `json:"ahead"`
+	Behind int64 `json:"waiting"`
+	// Note says it in a sentence.
+	Note string `json:"note"`
+}
+
+// explainOutboxOrderSQL reads the earlier unfinished events of the key:
+// how many, the nearest one and the first failed one. The partial index
+// outbox_event_ordering_idx serves it. $1 tenant, $2 key, $3 position.
+const explainOutboxOrderSQL = `
+SELECT count(*),
+       (array_agg(id ORDER BY ordering_position DESC))[1], (array_agg(status::text ORDER BY ordering_position DESC))[1],
+       max(ordering_position),
+       (array_agg(id ORDER BY ordering_position) FILTER (WHERE status = 'failed'))[1],
+       min(ordering_position) FILTER (WHERE status = 'failed')
+FROM outbox_event
+WHERE coalesce(tenant_id, '') = coalesce($1, '') AND ordering_key = $2 AND ordering_position < $3
+  AND status IN ('pending', 'processing', 'failed')`
+
+// explainRiverOrderSQL reads the key's head in each of the queues, and how
+// many of its waiting jobs come before position $4. $1 tenant, $2 key, $3
+// queues.
+const explainRiverOrderSQL = `
+SELECT k.queue, k.head_job_id, k.head_event_id, coalesce(r.state::text, ''), k.parked_at, coalesce(k.parked_state, ''), k.waiting,
+       (SELECT count(*) FROM outbox_ordering_wait w
+        WHERE w.tenant_id = k.tenant_id AND w.ordering_key = k.ordering_key AND w.queue = k.queue AND w.position < $4)
+FROM outbox_ordering_key k LEFT JOIN river_job r ON r.id = k.head_job_id
+WHERE k.tenant_id = coalesce($1, '') AND k.ordering_key = $2 AND k.queue = ANY($3::text[])`
+
+// explainOrdering reads where a keyed event stands in its key's order.
+func (c *Client) explainOrdering(ctx context.Context, e *EventDetail, jobs []JobDetail) (*OrderingDetail, error) {
+	o := &OrderingDetail{Key: *e.OrderingKey, Position: *e.OrderingPosition, Queues: []QueueOrder{}}
+	var (
+		nearID, failID   *int64
+		nearStatus       *string
+		nearPos, failPos *int64
+	)
+	if err := c.pool.QueryRow(ctx, explainOutboxOrderSQL, e.TenantID, o.Key, o.Position).Scan(
+		&o.EarlierUnfinished, &nearID, &nearStatus, &nearPos, &failID, &failPos); err != nil {
+		return nil, fmt.Errorf("read the order of event %d's key: %w", e.ID, err)
+	}
+	if nearID != nil {
+		o.WaitsFor = &EventRef{ID: *nearID, Status: *nearStatus, Position: *nearPos}
+	}
+	if failID != nil {
+		o.FirstFailed = &EventRef{ID: *failID, Status: "failed", Position: *failPos}
+	}
+
+	var queues []string
+	for _, j := range jobs {
+		if j.Found {
+			queues = append(queues, j.Queue)
+		}
+	}
+	if len(queues) == 0 {
+		return o, nil
+	}
+	type keyRow struct {
+		head, headEvent *int64
+		headState       string
+		parkedAt        *time.Time
+		parkedState     string
+		waiting, ahead  int64
+	}
+	byQueue := map[string]keyRow{}
+	rows, err := c.pool.Query(ctx, explainRiverOrderSQL, e.TenantID, o.Key, queues, o.Position)
+	if err != nil {
+		return nil, fmt.Errorf("read the ordering keys of event %d: %w", e.ID, err)
+	}
+	for rows.Next() {
+		var q string
+		var k keyRow
+		if err := rows.Scan(&q, &k.head, &k.headEvent, &k.headState, &k.parkedAt, &k.parkedState, &k.waiting, &k.ahead); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("read the ordering keys: %w", err)
+		}
+		byQueue[q] = k
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read the ordering keys: %w", err)
+	}
+	for _, j := range jobs {
+		if !j.Found {
+			continue
+		}
+		q := QueueOrder{Queue: j.Queue, JobID: j.ID, JobState: j.State}
+		k, ok := byQueue[j.Queue]
+		if ok {
+			q.HeadJobID, q.HeadEventID, q.HeadState = k.head, k.headEvent, k.headState
+			q.Parked, q.ParkedState, q.ParkedAt, q.Behind = k.parkedAt != nil, k.parkedState, k.parkedAt, k.waiting
+			q.IsHead = *k.head == j.ID
+		}
+		q.Note = queueNote(q, ok, k.ahead)
+		if j.State == "pending" && ok && !q.IsHead {
+			q.Ahead = k.ahead
+		}
+		o.Queues = append(o.Queues, q)
+	}
+	return o, nil
+}
+
+// queueNote says where a job stands in its key's order, in a sentence.
+func queueNote(q QueueOrder, keyed bool, ahead int64) string {
+	parked := ""
+	if q.Parked {
+		parked = fmt.Sprintf("; the key is parked (head %s since %s): unpark it to go on (outboxctl unpark --retry or --skip)",
+			q.ParkedState, q.ParkedAt.UTC().Format(time.RFC3339))
+	}
+	switch {
+	case q.IsHead:
+		return fmt.Sprintf("this job is the head of its key: the key's %d later job(s) wait for it to finish%s", q.Behind, parked)
+	case q.JobState == "pending" && keyed:
+		head := "head job " + fmt.Sprint(*q.HeadJobID)
+		if q.HeadEventID != nil {
+			head += fmt.Sprintf(" (event %d)", *q.HeadEventID)
+		}
+		state := q.HeadState
+		if state == "" {
+			state = "no longer in river_job"
+		}
+		return fmt.Sprintf("waits behind %s, which is %s, with %d other job(s) of the key ahead of it%s", head, state, ahead, parked)
+	case q.JobState == "pending":
+		return "pending, but its key has no unfinished job in this queue: nothing will release it (report this)"
+	case !keyed || q.JobState == "completed":
+		return "its turn is over: no job of its key waits for it in this queue"
+	default:
+		return "its turn is over"
+	}
 }

@@ -34,7 +34,7 @@ type Config struct {
 	Routes     *route.Table
 	RoutesFile string
 	// Token is the credential that signs an operator in for mutations
-	// (requeue, cancel, River UI's actions): at least 16 bytes. "" means
+	// (requeue, cancel, unpark, River UI's actions): at least 16 bytes. "" means
 	// the console is read-only.
 	Token string
 	// ShowPayloads shows event payloads on the event page and lets River UI
@@ -120,6 +120,7 @@ func New(cfg Config) (*Handler, error) {
 	mux.HandleFunc("GET /events/{id}", h.event)
 	mux.HandleFunc("GET /jobs/{id}", h.jobEvent)
 	mux.HandleFunc("GET /audit", h.audit)
+	mux.HandleFunc("GET /keys", h.keys)
 	mux.HandleFunc("GET /api/series", h.series)
 	mux.HandleFunc("GET /static/{file}", h.static)
 	mux.HandleFunc("GET /login", h.loginForm)

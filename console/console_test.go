@@ -15,8 +15,10 @@ import (
 	"time"
 
 	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/claim"
 	"github.com/outboxhq/outbox/console"
 	"github.com/outboxhq/outbox/internal/pgtest"
+	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
 )
 
@@ -340,5 +342,118 @@ func TestPayloadsShownWhenEnabled(t *testing.T) {
 	}
 	if code, _, _ := c.do("POST", "/riverui/api/jobs/retry", url.Values{}); code != 401 {
 		t.Errorf("River UI action without a sign-in: %d", code)
+	}
+}
+
+// parkKey publishes n events of one key, hands them off with the real
+// claim (order. to outbox_order) and discards the head job as River does
+// when it runs out of attempts: the key is parked with n-1 jobs waiting. It
+// returns the event ids and their jobs' ids.
+func parkKey(t *testing.T, s *pgtest.Schema, tenant, key string, n int) (events, jobs []int64) {
+	t.Helper()
+	ctx := context.Background()
+	evs := make([]outbox.Event, n)
+	for i := range evs {
+		evs[i] = outbox.Event{Type: "order.item.changed", Payload: json.RawMessage(`{}`), TenantID: tenant, OrderingKey: key}
+	}
+	events = pgtest.Publish(t, s.Pool, evs...)
+	routes, err := route.New([]route.Rule{{Prefix: "order.", Queues: []string{"outbox_order"}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rc, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &claim.Handoff{Pool: s.Pool, River: rc, Routes: routes, MaxRetries: 6}
+	if _, err := h.Batch(ctx, 100); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range events {
+		var job int64
+		if err := s.Pool.QueryRow(ctx, `SELECT river_job_ids[1] FROM outbox_event WHERE id = $1 AND status = 'done'`, id).Scan(&job); err != nil {
+			t.Fatalf("job of event %d: %v", id, err)
+		}
+		jobs = append(jobs, job)
+	}
+	if _, err := s.Pool.Exec(ctx, `UPDATE river_job SET state = 'discarded', finalized_at = now(), attempt = 1, max_attempts = 1,
+		errors = ARRAY[jsonb_build_object('attempt', 1, 'at', now(), 'error', 'webhook 500')] WHERE id = $1`, jobs[0]); err != nil {
+		t.Fatal(err)
+	}
+	return events, jobs
+}
+
+// TestKeysPageAndUnpark: the overview counts the parked key and the keys
+// page lists it with links to its head event and River UI's job page,
+// escaped; unpark goes through the same sign-in, CSRF, preview and
+// confirmation as requeue: the preview changes nothing, the confirmation
+// skips the head and writes an audit row with the operator's name; a key
+// that is not parked, and an unknown action, are refused.
+func TestKeysPageAndUnpark(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	const key = "order-42<script>"
+	events, jobs := parkKey(t, s, "acme", key, 2)
+	srv, _ := server(t, s, console.Config{Token: testToken})
+	c := newClient(t, srv)
+
+	if code, body, _ := c.do("GET", "/console/", nil); code != 200 || !strings.Contains(body, `<b id="parked-keys"><a href="/console/keys">1</a></b>`) {
+		t.Fatalf("overview: %d, no parked key count\n%s", code, body)
+	}
+	code, body, _ := c.do("GET", "/console/keys", nil)
+	if code != 200 || !strings.Contains(body, `data-kind="parked"`) || !strings.Contains(body, `order-42&lt;script&gt;`) || strings.Contains(body, "<script>") ||
+		!strings.Contains(body, `href="/console/events/`+itoa(events[0])+`"`) || !strings.Contains(body, `href="/riverui/jobs/`+itoa(jobs[0])+`"`) ||
+		!strings.Contains(body, "webhook 500") || strings.Contains(body, `class="inline unpark"`) {
+		t.Fatalf("keys page, signed out: %d\n%s", code, body)
+	}
+	// The event page of the waiting event shows the key's order.
+	if code, body, _ = c.do("GET", "/console/events/"+itoa(events[1]), nil); code != 200 || !strings.Contains(body, `id="ordering-key"`) ||
+		!strings.Contains(body, "waits behind head job "+itoa(jobs[0])) || !strings.Contains(body, `/console/keys?key=order-42%3cscript%3e&amp;queue=outbox_order`) {
+		t.Fatalf("event page of a waiting event: %d\n%s", code, body)
+	}
+	form := url.Values{"action": {"unpark"}, "key": {key}, "tenant": {"acme"}, "queue": {"outbox_order"}, "unpark": {"skip"}}
+	if code, _, _ := c.do("POST", "/console/actions/preview", form); code != 401 {
+		t.Errorf("unpark preview signed out: %d", code)
+	}
+	csrf := c.signIn("alice")
+	if code, _, _ := c.do("POST", "/console/actions/preview", form); code != 403 {
+		t.Errorf("unpark preview without CSRF: %d", code)
+	}
+	if _, body, _ := c.do("GET", "/console/keys", nil); !strings.Contains(body, `class="inline unpark"`) {
+		t.Fatalf("keys page, signed in: no unpark form\n%s", body)
+	}
+	form.Set("csrf", csrf)
+	code, body, _ = c.do("POST", "/console/actions/preview", form)
+	if code != 200 || !strings.Contains(body, `<b id="affected">1</b>`) || !strings.Contains(body, `id="confirm"`) || !strings.Contains(body, `name="confirm" value="on"`) {
+		t.Fatalf("unpark preview: %d\n%s", code, body)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1 AND state = 'pending'`, jobs[1]); n != 1 || pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_audit`) != 0 {
+		t.Fatal("the preview changed something")
+	}
+	// The run needs the preview's confirmation.
+	if code, _, _ := c.do("POST", "/console/actions/run", form); code != 400 {
+		t.Errorf("unpark run without the confirmation: %d", code)
+	}
+	form.Set("confirm", "on")
+	form.Set("reason", "customer gone")
+	code, body, _ = c.do("POST", "/console/actions/run", form)
+	if code != 200 || !strings.Contains(body, `id="audit-id"`) {
+		t.Fatalf("unpark run: %d\n%s", code, body)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1 AND state = 'available'`, jobs[1]); n != 1 {
+		t.Error("the next job was not released")
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_audit WHERE actor = 'console:alice' AND action = 'unpark' AND detail->>'reason' = 'customer gone'`); n != 1 {
+		t.Errorf("audit rows of console:alice: %d", n)
+	}
+	if code, body, _ = c.do("POST", "/console/actions/preview", form); code != 409 || !strings.Contains(body, "is not parked") {
+		t.Errorf("unpark of a key no longer parked: %d\n%s", code, body)
+	}
+	form.Set("unpark", "delete")
+	if code, body, _ = c.do("POST", "/console/actions/preview", form); code != 400 || !strings.Contains(body, "action must be retry") {
+		t.Errorf("unknown unpark action: %d\n%s", code, body)
+	}
+	if code, body, _ = c.do("GET", "/console/keys?parked=on", nil); code != 200 || !strings.Contains(body, `id="no-keys"`) {
+		t.Errorf("keys page after the unpark: %d\n%s", code, body)
 	}
 }

@@ -139,6 +139,8 @@ func (h *Handler) dbFail(w http.ResponseWriter, r *http.Request, what string, er
 	switch {
 	case errors.As(err, &se):
 		h.fail(w, r, http.StatusBadRequest, se.Error())
+	case errors.Is(err, admin.ErrNotParked):
+		h.fail(w, r, http.StatusConflict, err.Error())
 	case errors.Is(err, admin.ErrNotFound):
 		h.fail(w, r, http.StatusNotFound, "no such event: it never existed, or retention purged it after it was done")
 	case errors.Is(err, admin.ErrSchemaMissing):
@@ -169,7 +171,9 @@ func (h *Handler) static(w http.ResponseWriter, r *http.Request) {
 
 // overviewData is the overview page.
 type overviewData struct {
-	Stats  *admin.Stats
+	Stats *admin.Stats
+	// Keys counts the ordering keys that wait for an operator.
+	Keys   admin.KeySummary
 	Last   *Point
 	Window time.Duration
 	// Every is the sample interval in milliseconds, for the chart's
@@ -185,7 +189,12 @@ func (h *Handler) overview(w http.ResponseWriter, r *http.Request) {
 		h.dbFail(w, r, "the outbox's statistics", err)
 		return
 	}
-	d := overviewData{Stats: st, Window: h.cfg.SampleWindow, Every: h.cfg.SampleInterval.Milliseconds()}
+	keys, err := h.admin.KeySummary(ctx)
+	if err != nil {
+		h.dbFail(w, r, "the ordering keys", err)
+		return
+	}
+	d := overviewData{Stats: st, Keys: keys, Window: h.cfg.SampleWindow, Every: h.cfg.SampleInterval.Milliseconds()}
 	if pts := h.sampler.series(); len(pts) > 0 {
 		d.Last = &pts[len(pts)-1]
 	}
@@ -428,6 +437,15 @@ func (h *Handler) change(ctx context.Context, r *http.Request, s *session, dryRu
 func (h *Handler) preview(w http.ResponseWriter, r *http.Request, s *session) {
 	ctx, cancel := context.WithTimeout(r.Context(), 60*time.Second)
 	defer cancel()
+	if r.PostForm.Get("action") == "unpark" {
+		res, err := h.unpark(ctx, r, s, true)
+		if err != nil {
+			h.dbFail(w, r, "the preview", err)
+			return
+		}
+		h.renderView(w, r, http.StatusOK, "unpark-preview", &view{Title: "Preview: unpark (" + res.Request.Action + ")", Nav: "keys", Data: res})
+		return
+	}
 	d, err := h.change(ctx, r, s, true)
 	if err != nil {
 		h.dbFail(w, r, "the preview", err)
@@ -437,6 +455,10 @@ func (h *Handler) preview(w http.ResponseWriter, r *http.Request, s *session) {
 }
 
 func (h *Handler) run(w http.ResponseWriter, r *http.Request, s *session) {
+	if r.PostForm.Get("action") == "unpark" {
+		h.runUnpark(w, r, s)
+		return
+	}
 	if r.PostForm.Get("scope") != "ids" {
 		h.fail(w, r, http.StatusBadRequest, "a change runs only from its preview's confirmation")
 		return
@@ -450,6 +472,53 @@ func (h *Handler) run(w http.ResponseWriter, r *http.Request, s *session) {
 	}
 	h.cfg.Logger.Info("console: "+d.Res.Action, slog.String("actor", d.Res.Actor), slog.Int("affected", d.Res.Affected), slog.Int64("audit_id", d.Res.AuditID))
 	h.renderView(w, r, http.StatusOK, "result", &view{Title: "Done: " + d.Res.Action, Nav: "events", Data: d})
+}
+
+// keysData is the ordering keys page.
+type keysData struct {
+	List *admin.KeyList
+}
+
+// keys lists the ordering keys that wait for an operator (admin.Keys),
+// filtered by the query's tenant, key and queue.
+func (h *Handler) keys(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)
+	defer cancel()
+	list, err := h.admin.Keys(ctx, admin.KeysFilter{Tenant: strings.TrimSpace(q.Get("tenant")), Key: q.Get("key"),
+		Queue: strings.TrimSpace(q.Get("queue")), ParkedOnly: q.Get("parked") == "on", Limit: 500})
+	if err != nil {
+		h.dbFail(w, r, "the ordering keys", err)
+		return
+	}
+	h.renderView(w, r, http.StatusOK, "keys", &view{Title: "Ordering keys", Data: keysData{List: list}})
+}
+
+// unpark runs admin.Unpark as the form says: the key, its tenant and
+// queue, and unpark=retry or skip. The keys page's form names the queue
+// of the row, so the preview and its confirmation touch that queue only.
+func (h *Handler) unpark(ctx context.Context, r *http.Request, s *session, dryRun bool) (*admin.UnparkResult, error) {
+	f := r.PostForm
+	return h.admin.Unpark(ctx, admin.UnparkRequest{Actor: "console:" + s.Name, Key: f.Get("key"), Tenant: f.Get("tenant"),
+		Queue: f.Get("queue"), Action: f.Get("unpark"), DryRun: dryRun, Reason: strings.TrimSpace(f.Get("reason"))})
+}
+
+// runUnpark runs an unpark from its preview's confirmation.
+func (h *Handler) runUnpark(w http.ResponseWriter, r *http.Request, s *session) {
+	if r.PostForm.Get("confirm") != "on" {
+		h.fail(w, r, http.StatusBadRequest, "an unpark runs only from its preview's confirmation")
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), 60*time.Second)
+	defer cancel()
+	res, err := h.unpark(ctx, r, s, false)
+	if err != nil {
+		h.dbFail(w, r, "the unpark", err)
+		return
+	}
+	h.cfg.Logger.Info("console: unpark", slog.String("actor", res.Request.Actor), slog.String("action", res.Request.Action),
+		slog.Int("queues", len(res.Keys)), slog.Int64("audit_id", res.AuditID))
+	h.renderView(w, r, http.StatusOK, "unpark-result", &view{Title: "Done: unpark (" + res.Request.Action + ")", Nav: "keys", Data: res})
 }
 
 // firstLine is the first line of s, at most n bytes (on a rune boundary).

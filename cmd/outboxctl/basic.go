@@ -45,6 +45,7 @@ func runPublish(ctx context.Context, c *cli, args []string) error {
 	payload := fs.String("payload", "{}", "JSON payload")
 	tenant := fs.String("tenant", "", "tenant id")
 	key := fs.String("key", "", "dispatch key (idempotency key of the producer)")
+	orderingKey := fs.String("ordering-key", "", "ordering key: the events of one (tenant, ordering key) are worked one at a time, in order")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -54,7 +55,7 @@ func runPublish(ctx context.Context, c *cli, args []string) error {
 	if *typ == "" {
 		return usagef("--type is required")
 	}
-	ev := outbox.Event{Type: *typ, Payload: json.RawMessage(*payload), TenantID: *tenant, DispatchKey: *key}
+	ev := outbox.Event{Type: *typ, Payload: json.RawMessage(*payload), TenantID: *tenant, DispatchKey: *key, OrderingKey: *orderingKey}
 	// Validate before connecting, so bad input is a usage error.
 	if _, err := outbox.ValidateEvent(ev); err != nil {
 		return &usageError{err.Error()}

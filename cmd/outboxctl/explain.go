@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/outboxhq/outbox/admin"
+	"github.com/outboxhq/outbox/internal/plural"
 	"github.com/outboxhq/outbox/route"
 )
 
@@ -77,6 +78,9 @@ func printExplain(w io.Writer, res *admin.Explanation) {
 	fmt.Fprintf(w, "event %d  %s  status %s\n", e.ID, clean(e.Type), clean(e.Status))
 	fmt.Fprintf(w, "  tenant        %s\n", clean(orDash(e.TenantID)))
 	fmt.Fprintf(w, "  dispatch key  %s\n", clean(orDash(e.DispatchKey)))
+	if e.OrderingKey != nil && e.OrderingPosition != nil {
+		fmt.Fprintf(w, "  ordering key  %s  position %d\n", clean(*e.OrderingKey), *e.OrderingPosition)
+	}
 	fmt.Fprintf(w, "  created       %s\n", fmtTime(&e.CreatedAt))
 	if e.ProcessedAt != nil {
 		fmt.Fprintf(w, "  handed off    %s  (%s after created)\n", fmtTime(e.ProcessedAt), e.ProcessedAt.Sub(e.CreatedAt).Round(time.Microsecond))
@@ -136,6 +140,11 @@ func printExplain(w io.Writer, res *admin.Explanation) {
 		}
 	}
 
+	if res.Ordering != nil {
+		fmt.Fprintln(w)
+		printOrdering(w, e, res.Ordering)
+	}
+
 	fmt.Fprintln(w)
 	if len(res.Receipts) == 0 {
 		fmt.Fprintln(w, "receipts: none (no receiver recorded an idempotent effect for this event)")
@@ -154,6 +163,31 @@ func printExplain(w io.Writer, res *admin.Explanation) {
 		if len(r.Result) > 0 && string(r.Result) != "null" {
 			fmt.Fprintf(w, "      result %s\n", clean(string(r.Result)))
 		}
+	}
+}
+
+// printOrdering says what a keyed event waits for: in the outbox, the
+// earlier unfinished events of its key; in River, per queue, the key's head.
+func printOrdering(w io.Writer, e admin.EventDetail, o *admin.OrderingDetail) {
+	fmt.Fprintf(w, "order of key %s (position %d):\n", clean(o.Key), o.Position)
+	switch {
+	case e.Status == "done" || e.Status == "cancelled":
+		fmt.Fprintf(w, "  outbox: %s; nothing waits for it there\n", map[string]string{"done": "handed off", "cancelled": "cancelled"}[e.Status])
+	case o.WaitsFor != nil:
+		verb := "waits"
+		if e.Status == "failed" {
+			verb = "would wait, if requeued,"
+		}
+		fmt.Fprintf(w, "  outbox: %s for event %d (%s), the nearest of %s of its key still unfinished\n",
+			verb, o.WaitsFor.ID, clean(o.WaitsFor.Status), plural.Of(o.EarlierUnfinished, "earlier event", "earlier events"))
+		if f := o.FirstFailed; f != nil {
+			fmt.Fprintf(w, "  outbox: event %d failed (dead-lettered) and holds the key: requeue it (outboxctl requeue --id %d) or cancel it (outboxctl cancel --id %d)\n", f.ID, f.ID, f.ID)
+		}
+	default:
+		fmt.Fprintln(w, "  outbox: no earlier event of its key is unfinished: nothing holds it back")
+	}
+	for _, q := range o.Queues {
+		fmt.Fprintf(w, "  queue %s: job %d %s: %s\n", clean(q.Queue), q.JobID, clean(q.JobState), clean(q.Note))
 	}
 }
 

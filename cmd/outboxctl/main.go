@@ -5,7 +5,9 @@
 //	outboxctl requeue [filters]    put failed/cancelled events back to pending
 //	outboxctl cancel [filters]     move pending/failed events to cancelled
 //	outboxctl stats [--check]      counts, lag, River queues, alerts
-//	outboxctl explain <event-id>   what happened to one event: row, routes, River jobs, receipts
+//	outboxctl explain <event-id>   what happened to one event: row, routes, River jobs, receipts, its key's order
+//	outboxctl keys                 list the ordering keys that wait for an operator (parked, held)
+//	outboxctl unpark --key K       let a parked ordering key go on: --retry or --skip its head job
 //	outboxctl retention run        purge old done events now
 //	outboxctl audit                list the operator actions recorded
 //	outboxctl routes sync          write the routes file into the database (strict routing)
@@ -205,12 +207,14 @@ func usage(w io.Writer) {
 
 func init() {
 	register("migrate", "apply the outbox's and River's migrations (idempotent, safe to run concurrently)", runMigrate)
-	register("publish", "publish one event: --type T [--payload JSON] [--tenant ID] [--key KEY]", runPublish)
+	register("publish", "publish one event: --type T [--payload JSON] [--tenant ID] [--key KEY] [--ordering-key K]", runPublish)
 	register("requeue", "put failed/cancelled events back to pending: --id N | --status S --type-prefix P --tenant T --since --until --error-contains --limit [--dry-run] [--all] [--allow-replay]", runRequeue)
 	register("cancel", "move pending/failed events to cancelled: same selection as requeue [--dry-run] [--all]", runCancel)
 	register("stats", "counts by status, dispatcher lag, River jobs per queue, alerts: [--check] [--stalled-after D] [--routes F] [--worked-queues Q,...]", runStats)
 	register("retention", "purge old done events now: run [--dry-run] [--hours N] [--batch-size N]", runRetention)
 	register("audit", "list recorded operator actions, newest first: [--limit N] [--action A] [--since T]", runAudit)
 	register("routes", "sync the routes file into the database for strict routing at publish: sync --routes F [--strict on|off] [--dry-run] [--actor A]", runRoutes)
-	register("explain", "what happened to one event: its row, matching routes, River jobs and receipts: <event-id> [--routes F]", runExplain)
+	register("explain", "what happened to one event: its row, matching routes, River jobs, receipts and its key's order: <event-id> [--routes F]", runExplain)
+	register("keys", "list the ordering keys that wait for an operator, oldest first: [--tenant T] [--key K] [--queue Q] [--parked] [--limit N]", runKeys)
+	register("unpark", "let a parked ordering key go on: --key K [--tenant T] [--queue Q] --retry|--skip [--dry-run] [--reason R] [--actor A]", runUnpark)
 }

@@ -745,7 +745,7 @@ func TestOpsJSONEverywhere(t *testing.T) {
 	s := pgtest.NewSchema(t, nil)
 	for _, args := range [][]string{
 		{"requeue", "--all", "--dry-run"}, {"cancel", "--all", "--dry-run"}, {"stats"},
-		{"retention", "run", "--dry-run"}, {"audit"},
+		{"retention", "run", "--dry-run"}, {"audit"}, {"keys"},
 	} {
 		_ = ctlJSON[any](t, s, args...)
 	}

@@ -150,6 +150,8 @@ func TestEveryCommandUnderEveryRole(t *testing.T) {
 	mustExec(`INSERT INTO outbox_event (event_type, payload, status, processed_at)
 		SELECT 'mail.user.welcome', '{}', 'done', now() - interval '40 days' FROM generate_series(1, 5)`)
 	mustExec(`INSERT INTO outbox_receipt (receiver, event_id, state, expires_at) VALUES ('old', 1, 'done', now() - interval '1 day')`)
+	// A parked ordering key (its head job discarded) for keys and unpark.
+	parkedEvents, parkedJobs := parkKey(t, s, "t1", "order-1", 2)
 	routesFile := filepath.Join(t.TempDir(), "routes.yaml")
 	if err := os.WriteFile(routesFile, []byte("routes:\n  - prefix: \"mail.\"\n    queue: outbox_mail\n"), 0o600); err != nil {
 		t.Fatal(err)
@@ -191,6 +193,24 @@ func TestEveryCommandUnderEveryRole(t *testing.T) {
 				t.Errorf("audit row %d: db_user %q actor %q, want %q and alice", a.ID, a.DBUser, a.Actor, opName)
 			}
 		}
+		// Ordering keys: list them, unpark one (audit #4, as the operator).
+		if v := okJSON("keys", "--parked"); len(v["keys"].([]any)) != 1 {
+			t.Errorf("keys as operator = %v, want the parked key", v)
+		}
+		if v := okJSON("explain", fmt.Sprint(parkedEvents[1])); v["ordering"] == nil {
+			t.Errorf("explain of a keyed event as operator = %v, want its ordering", v)
+		}
+		okJSON("unpark", "--key", "order-1", "--tenant", "t1", "--skip", "--dry-run")
+		if v := okJSON("unpark", "--key", "order-1", "--tenant", "t1", "--skip", "--actor", "alice"); v["audit_id"] != float64(4) {
+			t.Errorf("unpark as operator = %v, want audit #4", v)
+		}
+		if st := jobStateOf(t, s, parkedJobs[1]); st != "available" {
+			t.Errorf("the job after the skipped head is %s, want available", st)
+		}
+		var dbUser string
+		if err := s.Pool.QueryRow(ctx, `SELECT db_user FROM outbox_audit WHERE id = 4 AND action = 'unpark' AND actor = 'alice'`).Scan(&dbUser); err != nil || dbUser != opName {
+			t.Errorf("unpark's audit row: db_user %q (%v), want %q", dbUser, err, opName)
+		}
 		// Expects the merged SECURITY DEFINER publish functions (005/006).
 		if merged {
 			if code, out, errOut := ctlAs(opURL, "publish", "--type", "mail.user.welcome", "--json"); code != 0 {
@@ -213,6 +233,7 @@ func TestEveryCommandUnderEveryRole(t *testing.T) {
 			"delete the audit":       `DELETE FROM outbox_audit`,
 			"the unaudited body":     `SELECT * FROM outbox_operator_apply('requeue', 'x', false, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 10, false, '{}')`,
 			"change River jobs":      `DELETE FROM river_job`,
+			"unpark by hand":         `UPDATE outbox_ordering_key SET parked_at = NULL, parked_state = NULL`,
 			"draw event ids":         `SELECT nextval('outbox_event_id_seq')`,
 			"purge recent done rows": `SELECT outbox_purge_done(now(), 10)`,
 		} {

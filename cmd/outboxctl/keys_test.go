@@ -1,0 +1,238 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/admin"
+	"github.com/outboxhq/outbox/claim"
+	"github.com/outboxhq/outbox/internal/pgtest"
+	outboxriver "github.com/outboxhq/outbox/river"
+	"github.com/outboxhq/outbox/route"
+)
+
+// handOffOrdered hands every due event off with the real claim (order. to
+// outbox_order) as the schema's owner.
+func handOffOrdered(t *testing.T, s *pgtest.Schema) {
+	t.Helper()
+	routes, err := route.New([]route.Rule{{Prefix: "order.", Queues: []string{"outbox_order"}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rc, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &claim.Handoff{Pool: s.Pool, River: rc, Routes: routes, MaxRetries: 6}
+	if _, err := h.Batch(context.Background(), 100); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// parkKey publishes n events of one key, hands them off and discards the
+// head job, as River does when it runs out of attempts: the key is parked
+// with n-1 jobs waiting. It returns the event ids and the jobs' ids.
+func parkKey(t *testing.T, s *pgtest.Schema, tenant, key string, n int) (events, jobs []int64) {
+	t.Helper()
+	evs := make([]outbox.Event, n)
+	for i := range evs {
+		evs[i] = outbox.Event{Type: "order.item.changed", Payload: json.RawMessage(`{}`), TenantID: tenant, OrderingKey: key}
+	}
+	events = pgtest.Publish(t, s.Pool, evs...)
+	handOffOrdered(t, s)
+	ctx := context.Background()
+	for _, id := range events {
+		var job int64
+		if err := s.Pool.QueryRow(ctx, `SELECT river_job_ids[1] FROM outbox_event WHERE id = $1 AND status = 'done'`, id).Scan(&job); err != nil {
+			t.Fatalf("job of event %d: %v", id, err)
+		}
+		jobs = append(jobs, job)
+	}
+	if _, err := s.Pool.Exec(ctx, `
+		UPDATE river_job SET state = 'discarded', finalized_at = now(), attempt = 1, max_attempts = 1, attempted_at = now(),
+		       errors = ARRAY[jsonb_build_object('attempt', 1, 'at', now(), 'error', 'webhook 500' || chr(27) || '[2J')]
+		WHERE id = $1`, jobs[0]); err != nil {
+		t.Fatal(err)
+	}
+	return events, jobs
+}
+
+func jobStateOf(t *testing.T, s *pgtest.Schema, id int64) string {
+	t.Helper()
+	var st string
+	if err := s.Pool.QueryRow(context.Background(), `SELECT state::text FROM river_job WHERE id = $1`, id).Scan(&st); err != nil {
+		t.Fatal(err)
+	}
+	return st
+}
+
+// TestKeysAndUnparkCommands: keys lists a parked key (text and JSON);
+// unpark's dry run changes and records nothing, the real run skips the
+// head and records an audit row; a key that is not parked, or is held in
+// the outbox, fails with exit 1 and says what to do; bad usage exits 2
+// before connecting.
+func TestKeysAndUnparkCommands(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+
+	code, out, _ := octl(t, s, "keys")
+	if code != 0 || !strings.Contains(out, "no ordering key waits") {
+		t.Fatalf("keys on an empty outbox: exit %d, %q", code, out)
+	}
+	events, jobs := parkKey(t, s, "acme", "order-42", 3)
+
+	list := ctlJSON[admin.KeyList](t, s, "keys")
+	if len(list.Keys) != 1 || list.Keys[0].Kind != admin.KeyParked || list.Keys[0].OrderingKey != "order-42" ||
+		*list.Keys[0].Head.JobID != jobs[0] || list.Keys[0].Waiting != 2 {
+		t.Fatalf("keys --json = %+v", list)
+	}
+	code, out, errOut := octl(t, s, "keys", "--tenant", "acme", "--parked")
+	if code != 0 || !strings.Contains(out, "parked (discarded)") || !strings.Contains(out, fmt.Sprintf("job %d (event %d) discarded 1/1", jobs[0], events[0])) ||
+		!strings.Contains(out, `webhook 500\x1b[2J`) {
+		t.Fatalf("keys: exit %d\n%s%s", code, out, errOut)
+	}
+	assertNoRawControls(t, "keys", out)
+	if list := ctlJSON[admin.KeyList](t, s, "keys", "--tenant", "globex"); len(list.Keys) != 0 {
+		t.Fatalf("keys --tenant globex = %+v", list.Keys)
+	}
+
+	bad := "postgres://nobody@127.0.0.1:1/none"
+	for _, args := range [][]string{
+		{"unpark", "--retry"},
+		{"unpark", "--key", "k"},
+		{"unpark", "--key", "k", "--retry", "--skip"},
+		{"unpark", "--key", strings.Repeat("k", 257), "--retry"},
+		{"unpark", "--key", "k", "--retry", "--actor", ""},
+		{"unpark", "--key", "k", "--retry", "extra"},
+		{"keys", "--limit", "0"},
+		{"keys", "--limit", "10001"},
+	} {
+		if code, _, errOut := ctl(t, bad, args...); code != 2 {
+			t.Errorf("%v: exit %d, want 2 (%s)", args, code, errOut)
+		}
+	}
+
+	var dry admin.UnparkResult
+	code, out, errOut = octl(t, s, "unpark", "--key", "order-42", "--tenant", "acme", "--skip", "--dry-run", "--json")
+	if code != 0 || json.Unmarshal([]byte(out), &dry) != nil || len(dry.Keys) != 1 || dry.AuditID != 0 || !dry.Request.DryRun {
+		t.Fatalf("unpark --dry-run: exit %d\n%s%s", code, out, errOut)
+	}
+	if st := jobStateOf(t, s, jobs[1]); st != "pending" || auditCount(t, s.Pool) != 0 {
+		t.Fatalf("the dry run changed something: next job %s, %d audit rows", st, auditCount(t, s.Pool))
+	}
+	code, out, errOut = octl(t, s, "unpark", "--key", "order-42", "--tenant", "acme", "--skip", "--actor", "alice", "--reason", "customer deleted")
+	if code != 0 || !strings.Contains(out, "the parked head skipped in 1 queue") || !strings.Contains(out, "recorded as audit #") || !strings.Contains(out, "by alice") {
+		t.Fatalf("unpark: exit %d\n%s%s", code, out, errOut)
+	}
+	if st := jobStateOf(t, s, jobs[1]); st != "available" || auditCount(t, s.Pool) != 1 {
+		t.Fatalf("after unpark: next job %s, %d audit rows; want available, 1", st, auditCount(t, s.Pool))
+	}
+	code, _, errOut = octl(t, s, "unpark", "--key", "order-42", "--tenant", "acme", "--retry")
+	if code != 1 || !strings.Contains(errOut, "is not parked") || !strings.Contains(errOut, "is available") {
+		t.Fatalf("unpark of a key that is not parked: exit %d, %q", code, errOut)
+	}
+
+	// Held in the outbox: unpark names the failed event to requeue.
+	held := pgtest.Publish(t, s.Pool, outbox.Event{Type: "order.item.changed", Payload: json.RawMessage(`{}`), OrderingKey: "held"})
+	if _, err := s.Pool.Exec(context.Background(), `UPDATE outbox_event SET status = 'failed', last_error = 'no route' WHERE id = $1`, held[0]); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Publish(t, s.Pool, outbox.Event{Type: "order.item.changed", Payload: json.RawMessage(`{}`), OrderingKey: "held"})
+	code, _, errOut = octl(t, s, "unpark", "--key", "held", "--skip")
+	if code != 1 || !strings.Contains(errOut, fmt.Sprintf("outboxctl requeue --id %d", held[0])) {
+		t.Fatalf("unpark of a key held in the outbox: exit %d, %q", code, errOut)
+	}
+	code, out, _ = octl(t, s, "keys", "--key", "held")
+	if code != 0 || !strings.Contains(out, "held_in_outbox") || !strings.Contains(out, "(outbox)") || !strings.Contains(out, fmt.Sprintf("event %d failed", held[0])) {
+		t.Fatalf("keys --key held: exit %d\n%s", code, out)
+	}
+}
+
+// TestKeysEscapeControlCharacters: a key with terminal escapes and bidi
+// controls is printed escaped by keys, unpark and explain, and exactly by
+// --json.
+func TestKeysEscapeControlCharacters(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	const key = "k\x1b[31m\u202eevil"
+	events, _ := parkKey(t, s, "", key, 2)
+	for _, args := range [][]string{
+		{"keys"},
+		{"unpark", "--key", key, "--retry", "--dry-run"},
+		{"explain", fmt.Sprint(events[1])},
+	} {
+		code, out, errOut := octl(t, s, args...)
+		if code != 0 || !strings.Contains(out, `k\x1b[31m\u202eevil`) {
+			t.Errorf("%v: exit %d, the escaped key is missing:\n%s%s", args[0], code, out, errOut)
+		}
+		assertNoRawControls(t, args[0], out)
+	}
+	if list := ctlJSON[admin.KeyList](t, s, "keys"); len(list.Keys) != 1 || list.Keys[0].OrderingKey != key {
+		t.Fatalf("keys --json = %+v", list.Keys)
+	}
+}
+
+// TestExplainShowsTheKeysOrder: explain prints the key and position, the
+// head a waiting job waits behind and that the key is parked; --json
+// carries the same.
+func TestExplainShowsTheKeysOrder(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	events, jobs := parkKey(t, s, "acme", "order-9", 3)
+	code, out, errOut := octl(t, s, "explain", fmt.Sprint(events[2]))
+	if code != 0 {
+		t.Fatalf("explain: exit %d: %s", code, errOut)
+	}
+	for _, want := range []string{
+		"ordering key  order-9  position ",
+		"outbox: handed off",
+		fmt.Sprintf("job %d pending: waits behind head job %d (event %d), which is discarded, with 1 other job(s) of the key ahead of it; the key is parked", jobs[2], jobs[0], events[0]),
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("explain lacks %q:\n%s", want, out)
+		}
+	}
+	code, out, _ = octl(t, s, "explain", fmt.Sprint(events[0]))
+	if code != 0 || !strings.Contains(out, "this job is the head of its key: the key's 2 later job(s) wait") {
+		t.Errorf("explain of the head:\n%s", out)
+	}
+	ex := ctlJSON[admin.Explanation](t, s, "explain", fmt.Sprint(events[2]))
+	if ex.Ordering == nil || ex.Ordering.Key != "order-9" || len(ex.Ordering.Queues) != 1 || !ex.Ordering.Queues[0].Parked || *ex.Ordering.Queues[0].HeadJobID != jobs[0] {
+		t.Fatalf("explain --json ordering = %+v", ex.Ordering)
+	}
+
+	// In the outbox: the later event waits for the failed one.
+	held := pgtest.Publish(t, s.Pool, outbox.Event{Type: "order.item.changed", Payload: json.RawMessage(`{}`), OrderingKey: "held"})
+	if _, err := s.Pool.Exec(context.Background(), `UPDATE outbox_event SET status = 'failed' WHERE id = $1`, held[0]); err != nil {
+		t.Fatal(err)
+	}
+	later := pgtest.Publish(t, s.Pool, outbox.Event{Type: "order.item.changed", Payload: json.RawMessage(`{}`), OrderingKey: "held"})
+	code, out, _ = octl(t, s, "explain", fmt.Sprint(later[0]))
+	if code != 0 || !strings.Contains(out, fmt.Sprintf("outbox: waits for event %d (failed), the nearest of 1 earlier event", held[0])) ||
+		!strings.Contains(out, fmt.Sprintf("outboxctl requeue --id %d", held[0])) {
+		t.Errorf("explain of an event held in the outbox:\n%s", out)
+	}
+}
+
+// TestPublishOrderingKeyFlag: publish --ordering-key stores the key; a key
+// longer than the limit is bad usage.
+func TestPublishOrderingKeyFlag(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	var res struct {
+		ID int64 `json:"id"`
+	}
+	res = ctlJSON[struct {
+		ID int64 `json:"id"`
+	}](t, s, "publish", "--type", "order.item.changed", "--ordering-key", "order-1", "--tenant", "acme")
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE id = $1 AND ordering_key = 'order-1' AND ordering_position IS NOT NULL`, res.ID); n != 1 {
+		t.Fatalf("event %d does not carry the ordering key", res.ID)
+	}
+	if code, _, errOut := octl(t, s, "publish", "--type", "order.item.changed", "--ordering-key", strings.Repeat("k", 257)); code != 2 || !strings.Contains(errOut, "OrderingKey") {
+		t.Fatalf("a long ordering key: exit %d, %q", code, errOut)
+	}
+}
