@@ -469,8 +469,10 @@ func (c *orderCounts) summary() string {
 }
 
 // gapFigures is the median, p99 and largest gap between the end of an
-// event's successful run and the start of the next event's job (a killed
-// head's rescue included).
+// event's successful run and the start of the next event's job. It is not
+// the handoff latency (the bench measures that): it includes the wait for
+// a free worker slot, the load of the machine and the rescue of killed
+// jobs.
 func (c *orderCounts) gapFigures() string {
 	if len(c.Gaps) == 0 {
 		return "no gaps"
@@ -478,7 +480,7 @@ func (c *orderCounts) gapFigures() string {
 	g := slices.Clone(c.Gaps)
 	slices.Sort(g)
 	at := func(q float64) time.Duration { return g[min(len(g)-1, int(q*float64(len(g))))] }
-	return fmt.Sprintf("next-job gap p50=%s p99=%s max=%s", at(0.5).Round(10*time.Microsecond), at(0.99).Round(10*time.Microsecond), g[len(g)-1].Round(time.Millisecond))
+	return fmt.Sprintf("next-job gap (slot waits and rescues included) p50=%s p99=%s max=%s", at(0.5).Round(10*time.Microsecond), at(0.99).Round(10*time.Microsecond), g[len(g)-1].Round(time.Millisecond))
 }
 
 // problems is the first problems, one a line.
