@@ -95,7 +95,7 @@ func orderedFixture() (events []orderedEvent, jobs []orderedJob, runs []orderedR
 		}
 		events = append(events, orderedEvent{Index: i, ID: int64(i + 1), Tenant: "t", Key: key, Position: int64(10 * (i + 1)),
 			Status: "done", Queues: []string{"outbox_mail"}})
-		jobs = append(jobs, orderedJob{ID: int64(100 + i), EventID: int64(i + 1), Queue: "outbox_mail", State: "completed", Attempt: 1})
+		jobs = append(jobs, orderedJob{ID: int64(100 + i), EventID: int64(i + 1), Queue: "outbox_mail", State: "completed", Attempt: 1, CreatedAt: t0})
 		start := t0.Add(time.Duration(i/2) * 10 * time.Millisecond)
 		runs = append(runs, orderedRun{Proc: "w0", JobID: int64(100 + i), Attempt: 1, EventID: int64(i + 1), Queue: "outbox_mail",
 			Tenant: "t", Key: key, Position: int64(10 * (i + 1)), Start: start, End: start.Add(5 * time.Millisecond), OK: true})
@@ -212,10 +212,10 @@ func TestLedgerDetectsOrderingFaults(t *testing.T) {
 	}
 }
 
-// TestReadLedgerFile reads a worker's ledger as a kill leaves it: a
+// TestLedgerReadsAKilledWorkersFile reads a worker's ledger as a kill leaves it: a
 // finished run, a run without its end record, and a last line cut in the
 // middle of its write, which is skipped; a bad line elsewhere is an error.
-func TestReadLedgerFile(t *testing.T) {
+func TestLedgerReadsAKilledWorkersFile(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
 	good := `{"kind":"start","job_id":7,"attempt":1,"event_id":3,"queue":"q","tenant":"t","key":"k","position":9,"at":1000}

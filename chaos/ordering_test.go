@@ -93,7 +93,10 @@ func (w *workerSet) start() *daemon {
 		"DATABASE_URL=" + w.url,
 		"LEDGER_FILE=" + filepath.Join(w.dir, file),
 		"LEDGER_QUEUES=outbox_mail,outbox_audit",
-		"LEDGER_MAX_WORKERS=4",
+		// Twelve slots per queue and process: with two processes or more,
+		// as many slots as keys (24), so that a released job rarely waits
+		// for a slot.
+		"LEDGER_MAX_WORKERS=12",
 		"LEDGER_WORK_MS=" + w.work,
 	})
 	d.waitLog(w.t, "ledgerworker started", time.Minute)
@@ -241,8 +244,8 @@ func TestChaosOrderedKill9Dispatchers(t *testing.T) {
 }
 
 // TestChaosOrderedKill9Workers SIGKILLs worker processes in the middle of
-// jobs (four slots per queue each, every slot busy) while they drain keyed
-// events; a replacement starts after each kill. The killed jobs stay
+// jobs (each victim has a job running, by its ledger) while they drain
+// keyed events; a replacement starts after each kill. The killed jobs stay
 // running until River's rescuer retries them (ledgerworker: rescue after
 // 5 s, on the leader's 30 s rescue pass): meanwhile their keys must stay
 // held, then the retry is the same job, and the key goes on in order.
