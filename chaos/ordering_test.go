@@ -236,6 +236,8 @@ func TestChaosOrderedKill9Dispatchers(t *testing.T) {
 		i := rand.IntN(nd)
 		live[i].kill9()
 		live[i] = startDaemon(t, env)
+		// Started, so that the next kill hits a running dispatcher.
+		live[i].waitLog(t, "outbox dispatcher started", time.Minute)
 		all = append(all, live[i])
 	}
 	<-producing
