@@ -68,6 +68,9 @@ func TestChaosKill9Dispatchers(t *testing.T) {
 		i := rand.IntN(nd)
 		live[i].kill9()
 		live[i] = startDaemon(t, env)
+		// Started, so that the next kill (or the final SIGTERM) hits a
+		// running dispatcher, not one still starting up.
+		live[i].waitLog(t, "outbox dispatcher started", time.Minute)
 		all = append(all, live[i])
 	}
 	<-producing

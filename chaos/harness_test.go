@@ -91,12 +91,15 @@ func withPassword(url, password string) string {
 	return url + " password=" + password
 }
 
-// daemon is one outboxd process.
+// daemon is one outboxd (or ledgerworker) process.
 type daemon struct {
 	cmd    *exec.Cmd
 	out    *proctest.SyncBuffer
 	exited chan struct{}
 	err    error
+	// diedAt is when Wait returned (the process was dead by then); read
+	// it after exited is closed.
+	diedAt time.Time
 }
 
 // daemonEnv is the environment of a dispatching outboxd on url.
@@ -120,7 +123,13 @@ func daemonEnv(url, routes string, extra ...string) []string {
 // startDaemon starts outboxd with env; the test's cleanup kills it.
 func startDaemon(t testing.TB, env []string) *daemon {
 	t.Helper()
-	d := &daemon{cmd: exec.Command(outboxdBin), out: &proctest.SyncBuffer{}, exited: make(chan struct{})}
+	return startProcess(t, outboxdBin, env)
+}
+
+// startProcess starts bin with env; the test's cleanup kills it.
+func startProcess(t testing.TB, bin string, env []string) *daemon {
+	t.Helper()
+	d := &daemon{cmd: exec.Command(bin), out: &proctest.SyncBuffer{}, exited: make(chan struct{})}
 	d.cmd.Env = env
 	d.cmd.Stdout, d.cmd.Stderr = d.out, d.out
 	if err := d.cmd.Start(); err != nil {
@@ -128,13 +137,14 @@ func startDaemon(t testing.TB, env []string) *daemon {
 	}
 	go func() {
 		d.err = d.cmd.Wait()
+		d.diedAt = time.Now()
 		close(d.exited)
 	}()
 	t.Cleanup(func() {
 		_ = d.cmd.Process.Kill()
 		<-d.exited
 		if t.Failed() {
-			t.Logf("outboxd (pid %d) output, last 3000 bytes:\n%s", d.cmd.Process.Pid, tail(d.out.String(), 3000))
+			t.Logf("%s (pid %d) output, last 3000 bytes:\n%s", filepath.Base(bin), d.cmd.Process.Pid, tail(d.out.String(), 3000))
 		}
 	})
 	return d
@@ -205,11 +215,16 @@ func keyOf(run string, i int) string { return fmt.Sprintf("%s:%d", run, i) }
 // an ambiguous commit finds the keys already stored). It returns when every
 // event is committed or ctx ends, and reports the failed attempts.
 type producers struct {
-	pool      *pgxpool.Pool
-	run       string
-	from, n   int
-	batch     int
-	workers   int
+	pool    *pgxpool.Pool
+	run     string
+	from, n int
+	batch   int
+	workers int
+	// event builds event i; nil means the mixed events of eventType.
+	event func(i int) outbox.Event
+	// pause is a wait after each committed batch, to spread a run over
+	// the faults.
+	pause     time.Duration
 	committed atomic.Int64
 	attempts  atomic.Int64
 	errors    atomic.Int64
@@ -231,6 +246,10 @@ func (p *producers) start(ctx context.Context) <-chan struct{} {
 				hi := min(lo+p.batch, p.n)
 				evs := make([]outbox.Event, 0, hi-lo)
 				for i := lo; i < hi; i++ {
+					if p.event != nil {
+						evs = append(evs, p.event(i))
+						continue
+					}
 					evs = append(evs, outbox.Event{
 						Type:        eventType(i),
 						Payload:     json.RawMessage(fmt.Sprintf(`{"i": %d, "run": %q}`, i, p.run)),
@@ -247,6 +266,12 @@ func (p *producers) start(ctx context.Context) <-chan struct{} {
 					})
 					if err == nil {
 						p.committed.Add(int64(len(evs)))
+						if p.pause > 0 {
+							select {
+							case <-time.After(p.pause):
+							case <-ctx.Done():
+							}
+						}
 						break
 					}
 					p.errors.Add(1)

@@ -19,6 +19,8 @@ import (
 var (
 	outboxdBin   string
 	outboxctlBin string
+	// ledgerworkerBin is the River worker of the ordering scenarios.
+	ledgerworkerBin string
 )
 
 func TestMain(m *testing.M) {
@@ -29,7 +31,8 @@ func TestMain(m *testing.M) {
 	}
 	outboxdBin = filepath.Join(dir, "outboxd")
 	outboxctlBin = filepath.Join(dir, "outboxctl")
-	for bin, pkg := range map[string]string{outboxdBin: "../cmd/outboxd", outboxctlBin: "../cmd/outboxctl"} {
+	ledgerworkerBin = filepath.Join(dir, "ledgerworker")
+	for bin, pkg := range map[string]string{outboxdBin: "../cmd/outboxd", outboxctlBin: "../cmd/outboxctl", ledgerworkerBin: "./ledgerworker"} {
 		if out, err := exec.Command("go", "build", "-o", bin, pkg).CombinedOutput(); err != nil {
 			fmt.Fprintf(os.Stderr, "chaos: build %s: %v\n%s", pkg, err, out)
 			os.Exit(1)
