@@ -388,7 +388,9 @@ WHERE coalesce(tenant_id, '') = coalesce($1, '') AND ordering_key = $2 AND order
 // many of its waiting jobs come before position $4. $1 tenant, $2 key, $3
 // queues.
 const explainRiverOrderSQL = `
-SELECT k.queue, k.head_job_id, k.head_event_id, coalesce(r.state::text, ''), k.parked_at, coalesce(k.parked_state, ''), k.waiting,
+SELECT k.queue, k.head_job_id, k.head_event_id, coalesce(r.state::text, ''), k.parked_at, coalesce(k.parked_state, ''),
+       (SELECT count(*) FROM outbox_ordering_wait w
+        WHERE w.tenant_id = k.tenant_id AND w.ordering_key = k.ordering_key AND w.queue = k.queue),
        (SELECT count(*) FROM outbox_ordering_wait w
         WHERE w.tenant_id = k.tenant_id AND w.ordering_key = k.ordering_key AND w.queue = k.queue AND w.position < $4)
 FROM outbox_ordering_key k LEFT JOIN river_job r ON r.id = k.head_job_id

@@ -135,11 +135,11 @@ WITH river_keys AS (
            k.head_event_id, k.head_position, k.head_job_id, r.id IS NOT NULL AS job_found, r.state::text AS state,
            coalesce(r.attempt, 0) AS attempt, coalesce(r.max_attempts, 0) AS max_attempts,
            r.errors[array_length(r.errors, 1)]->>'error' AS last_error,
-           k.waiting, w.oldest
+           w.waiting, w.oldest
     FROM outbox_ordering_key k
     LEFT JOIN river_job r ON r.id = k.head_job_id
     LEFT JOIN LATERAL (
-        SELECT min(x.since) AS oldest FROM outbox_ordering_wait x
+        SELECT count(*) AS waiting, min(x.since) AS oldest FROM outbox_ordering_wait x
         WHERE x.tenant_id = k.tenant_id AND x.ordering_key = k.ordering_key AND x.queue = k.queue) w ON true
     WHERE (k.parked_at IS NOT NULL OR (NOT $4::boolean AND r.id IS NULL))
       AND ($1::text IS NULL OR k.tenant_id = $1::text)
