@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/outboxhq/outbox"
 	"github.com/outboxhq/outbox/alert"
 	"github.com/outboxhq/outbox/claim"
@@ -15,6 +17,23 @@ import (
 	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
 )
+
+// handOffKeyed publishes events and hands them all off with the real
+// claim, so the ordering triggers make heads and waiting jobs; it returns
+// the events' ids.
+func handOffKeyed(t *testing.T, pool *pgxpool.Pool, routes *route.Table, events ...outbox.Event) []int64 {
+	t.Helper()
+	ids := pgtest.Publish(t, pool, events...)
+	rc, err := outboxriver.NewInsertClient(pool, outboxriver.InsertClientConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &claim.Handoff{Pool: pool, River: rc, Routes: routes, MaxRetries: 6, Alerter: alert.Func(func(context.Context, alert.Alert) {})}
+	if res, err := h.Batch(pgtest.Context(t, 60*time.Second), 100); err != nil || res.Jobs != len(events) {
+		t.Fatalf("handoff %+v, %v; want %d jobs", res, err, len(events))
+	}
+	return ids
+}
 
 // TestParkedWatchAlertsOncePerParking parks real keys (keyed events handed
 // off by the claim, the head job discarded or cancelled) under a running
@@ -31,20 +50,12 @@ func TestParkedWatchAlertsOncePerParking(t *testing.T) {
 	ev := func(tenant, key string) outbox.Event {
 		return outbox.Event{Type: "order.step.done", TenantID: tenant, OrderingKey: key, Payload: []byte(`{"card":"SECRET-4242"}`)}
 	}
-	ids := pgtest.Publish(t, s.Pool, ev("acme", "order-42"), ev("acme", "order-42"), ev("acme", "order-42"),
-		ev("", "order-7"), ev("", "order-7"))
 	routes, err := route.New([]route.Rule{{Prefix: "order.", Queues: []string{"outbox_order"}}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	rc, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := &claim.Handoff{Pool: s.Pool, River: rc, Routes: routes, MaxRetries: 6, Alerter: alert.Func(func(context.Context, alert.Alert) {})}
-	if res, err := h.Batch(ctx, 100); err != nil || res.Jobs != 5 {
-		t.Fatalf("handoff %+v, %v; want 5 jobs", res, err)
-	}
+	ids := handOffKeyed(t, s.Pool, routes, ev("acme", "order-42"), ev("acme", "order-42"), ev("acme", "order-42"),
+		ev("", "order-7"), ev("", "order-7"))
 	headOf := func(key string) int64 {
 		return int64(pgtest.Count(t, s.Pool, `SELECT head_job_id FROM outbox_ordering_key WHERE ordering_key = $1`, key))
 	}
