@@ -41,7 +41,8 @@ type StatsOpts struct {
 	// environment variable); it is reported in Stats.WorkedQueuesSource.
 	WorkedQueuesSource string
 	// Thresholds raise Stats.Alerts. The zero value alerts on any
-	// dispatcher lag, stalled job, failed event and discarded job;
+	// dispatcher lag, stalled job, failed event, discarded job and parked
+	// ordering key;
 	// DefaultThresholds are outboxctl's defaults.
 	Thresholds Thresholds
 }
@@ -57,12 +58,15 @@ type Thresholds struct {
 	MaxFailed int64
 	// MaxDiscarded: outbox River jobs discarded ("river_jobs_discarded").
 	MaxDiscarded int64
+	// MaxParked: parked ordering keys ("keys_parked").
+	MaxParked int64
 }
 
 // DefaultThresholds are outboxctl stats' defaults: more than 1000 events
-// behind, any stalled job, any failed event; discarded jobs off.
+// behind, any stalled job, any failed event, any parked ordering key;
+// discarded jobs off.
 func DefaultThresholds() Thresholds {
-	return Thresholds{MaxBehind: 1000, MaxStalled: 0, MaxFailed: 0, MaxDiscarded: -1}
+	return Thresholds{MaxBehind: 1000, MaxStalled: 0, MaxFailed: 0, MaxDiscarded: -1, MaxParked: 0}
 }
 
 // Stats is one consistent snapshot of the outbox and its River jobs.
@@ -100,6 +104,52 @@ type Stats struct {
 	// RetentionLastFinished is when the retention job last finished; nil
 	// when it never has.
 	RetentionLastFinished *time.Time `json:"retention_last_finished_at"`
+	// Ordering is the state of per-key ordering (all zero when unused).
+	Ordering OrderingStats `json:"ordering"`
+}
+
+// OrderingStats is the state of per-key ordering (metrics.Ordering, with
+// the ages in seconds).
+type OrderingStats struct {
+	// Keys counts the (tenant, ordering key, queue) with an unfinished
+	// ordered River job, parked or not.
+	Keys int64 `json:"keys"`
+	// Parked counts the parked keys: their head job was discarded,
+	// cancelled or deleted, and their later jobs wait for outboxctl unpark.
+	Parked int64 `json:"parked_keys"`
+	// ParkedByState splits Parked by parked_state: discarded, cancelled
+	// and deleted, each always present.
+	ParkedByState map[string]int64 `json:"parked_keys_by_state"`
+	// Waiting counts the ordered jobs held pending behind their key's
+	// head; WaitingParked, those behind a parked key.
+	Waiting       int64 `json:"waiting_jobs"`
+	WaitingParked int64 `json:"waiting_jobs_behind_parked"`
+	// OldestWaitS is how long the longest-waiting job has waited behind
+	// its key, in seconds (0 when none waits); OldestParkedWaitS, the
+	// same behind parked keys.
+	OldestWaitS       float64 `json:"oldest_wait_seconds"`
+	OldestParkedWaitS float64 `json:"oldest_parked_wait_seconds"`
+	// OldestParkedAgeS is how long the key parked longest ago has been
+	// parked, in seconds (0 when none is).
+	OldestParkedAgeS float64 `json:"oldest_parked_age_seconds"`
+	// HeldKeys counts the (tenant, ordering key) whose later events wait in
+	// the outbox behind a failed event of the key (requeue or cancel it).
+	HeldKeys int64 `json:"held_keys"`
+}
+
+func orderingStats(o metrics.Ordering) OrderingStats {
+	return OrderingStats{
+		Keys:   o.Keys,
+		Parked: o.Parked(),
+		ParkedByState: map[string]int64{
+			"discarded": o.ParkedDiscarded, "cancelled": o.ParkedCancelled, "deleted": o.ParkedDeleted},
+		Waiting:           o.Waiting,
+		WaitingParked:     o.WaitingParked,
+		OldestWaitS:       o.OldestWait.Seconds(),
+		OldestParkedWaitS: o.OldestParkedWait.Seconds(),
+		OldestParkedAgeS:  o.OldestParkedAge.Seconds(),
+		HeldKeys:          o.HeldKeys,
+	}
 }
 
 // QueueStats counts the outbox's River jobs in one queue.
@@ -125,7 +175,7 @@ type UnworkedRoute struct {
 // Alert is one threshold crossed.
 type Alert struct {
 	// Name is dispatcher_behind, river_jobs_stalled, events_failed,
-	// river_jobs_discarded or routes_unworked.
+	// river_jobs_discarded, keys_parked or routes_unworked.
 	Name      string  `json:"name"`
 	Value     float64 `json:"value"`
 	Threshold float64 `json:"threshold"`
@@ -160,8 +210,9 @@ GROUP BY queue ORDER BY queue`
 const retentionRunSQL = `SELECT last_finished_at FROM outbox_job_run WHERE name = $1`
 
 // Stats counts events by status, measures the dispatcher's lag, counts the
-// outbox's River jobs per queue, finds routes nobody works and raises the
-// alerts whose thresholds are crossed. The numbers come from one read-only
+// outbox's River jobs per queue, reads the ordering keys (parked, waiting,
+// held), finds routes nobody works and raises the alerts whose thresholds
+// are crossed. The numbers come from one read-only
 // snapshot, so they agree with each other.
 func (c *Client) Stats(ctx context.Context, opts StatsOpts) (*Stats, error) {
 	res, err := c.stats(ctx, opts)
@@ -237,6 +288,11 @@ func (c *Client) stats(ctx context.Context, opts StatsOpts) (*Stats, error) {
 		if err := rows.Err(); err != nil {
 			return err
 		}
+		ordering, err := metrics.ReadOrdering(ctx, tx)
+		if err != nil {
+			return err
+		}
+		res.Ordering = orderingStats(ordering)
 		err = tx.QueryRow(ctx, retentionRunSQL, retention.JobName).Scan(&res.RetentionLastFinished)
 		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 			return fmt.Errorf("read outbox_job_run: %w", err)
@@ -297,6 +353,10 @@ func (res *Stats) raiseAlerts(th Thresholds, stalledAfter time.Duration) {
 		fmt.Sprintf("%s failed (dead-lettered or unroutable): fix the cause, then requeue or cancel it", plural.Of(res.Events["failed"], "event is", "events are")))
 	alertIf("river_jobs_discarded", float64(discarded), float64(th.MaxDiscarded),
 		fmt.Sprintf("%s discarded: the receiver gave up", plural.Of(discarded, "outbox River job is", "outbox River jobs are")))
+	o := res.Ordering
+	alertIf("keys_parked", float64(o.Parked), float64(th.MaxParked),
+		fmt.Sprintf("%s parked (a head job discarded, cancelled or deleted; %s behind them, the oldest for %.0fs): list them with `outboxctl keys`, then retry or skip each head with `outboxctl unpark`",
+			plural.Of(o.Parked, "ordering key is", "ordering keys are"), plural.Of(o.WaitingParked, "job waits", "jobs wait"), o.OldestParkedWaitS))
 	if len(res.UnworkedRoutes) > 0 {
 		alertIf("routes_unworked", float64(len(res.UnworkedRoutes)), 0,
 			plural.Of(len(res.UnworkedRoutes), "route sends jobs to a queue that no worker group works", "routes send jobs to queues that no worker group works"))

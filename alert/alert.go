@@ -1,9 +1,10 @@
 // Package alert is the one small interface through which the outbox raises
 // alerts: an unroutable event, a dead-lettered event, a dispatcher loop that
-// keeps failing, a listener that stays disconnected.
+// keeps failing, a listener that stays disconnected, a parked ordering key.
 //
 // Log is the implementation used when no other is configured. Alerts carry
-// ids, types, the tenant and the error, never the payload.
+// ids, types, the tenant, the ordering key and the error, never the
+// payload.
 package alert
 
 import (
@@ -35,6 +36,11 @@ const (
 	// RoutesOutOfSync: the routes synced into the database (outboxctl routes
 	// sync, strict routing) differ from outboxd's routes file.
 	RoutesOutOfSync Reason = "routes_out_of_sync"
+	// ParkedKey: the head job of an ordering key was discarded, cancelled
+	// or deleted, so the key is parked: its later jobs wait until an
+	// operator retries or skips the head (outboxctl keys, outboxctl
+	// unpark). Raised once per newly parked key (tenant, key, queue).
+	ParkedKey Reason = "parked_key"
 )
 
 // Alert is one alert.
@@ -46,6 +52,11 @@ type Alert struct {
 	TenantID  string
 	Retries   int
 	Err       string
+	// OrderingKey, Queue and JobID say which key is parked, in which River
+	// queue, and its head job (ParkedKey); EventID is the head's event.
+	OrderingKey string
+	Queue       string
+	JobID       int64
 }
 
 // Alerter raises alerts. Implementations must be safe for concurrent use
@@ -74,6 +85,15 @@ func (l Log) Alert(ctx context.Context, a Alert) {
 	}
 	if a.TenantID != "" {
 		attrs = append(attrs, slog.String("tenant_id", a.TenantID))
+	}
+	if a.OrderingKey != "" {
+		attrs = append(attrs, slog.String("ordering_key", a.OrderingKey))
+	}
+	if a.Queue != "" {
+		attrs = append(attrs, slog.String("queue", a.Queue))
+	}
+	if a.JobID != 0 {
+		attrs = append(attrs, slog.Int64("job_id", a.JobID))
 	}
 	if a.Retries != 0 {
 		attrs = append(attrs, slog.Int("retries", a.Retries))

@@ -5,8 +5,10 @@
 // Metrics.OnBatch) and from its alerts (wrap the alerter with
 // Metrics.Alerter); gauges of the table (pending, due, oldest due age,
 // failed) are read from the database at scrape time with one bounded query
-// through the partial indexes; the listener's and the loop's state come
-// from the dispatcher (SetDispatcher).
+// through the partial indexes (ReadBacklog), and those of per-key ordering
+// (parked keys, waiting jobs, oldest wait, held keys) with another
+// (ReadOrdering); the listener's and the loop's state come from the
+// dispatcher (SetDispatcher).
 //
 // Handoff latency is measured at the end of each batch as now minus the
 // event's created_at: created_at is stamped by the database when the
@@ -42,7 +44,8 @@ type Config struct {
 	// prefix; nil labels them "unknown". Dispatched events carry the rule
 	// that routed them (claim.Handed.Route), so they are not routed again.
 	Routes *route.Table
-	// QueryTimeout bounds the scrape-time query. 0 means 2 s.
+	// QueryTimeout bounds the scrape-time queries (both together). 0 means
+	// 2 s.
 	QueryTimeout time.Duration
 }
 
@@ -210,11 +213,21 @@ var (
 	descOldest      = prometheus.NewDesc("outbox_oldest_pending_age_seconds", "Age of the oldest due pending event, since it became due (0 when none).", nil, nil)
 	descFailedNow   = prometheus.NewDesc("outbox_failed_events", "Events in status failed (waiting for an operator).", nil, nil)
 	descProcessing  = prometheus.NewDesc("outbox_processing_events", "Events in status processing.", nil, nil)
-	descScrapeError = prometheus.NewDesc("outbox_database_up", "1 when the scrape-time query of the outbox table succeeded.", nil, nil)
+	descScrapeError = prometheus.NewDesc("outbox_database_up", "1 when the scrape-time queries of the outbox tables succeeded.", nil, nil)
+
+	descOrderingKeys      = prometheus.NewDesc("outbox_ordering_keys", "Ordering keys (tenant, key, queue) with an unfinished ordered River job, parked or not.", nil, nil)
+	descParkedKeys        = prometheus.NewDesc("outbox_ordering_parked_keys", "Parked ordering keys, by the state of the head job that parked them (discarded, cancelled, deleted): their later jobs wait for outboxctl unpark.", []string{"state"}, nil)
+	descWaitingJobs       = prometheus.NewDesc("outbox_ordering_waiting_jobs", "Ordered River jobs held pending behind their key's head job.", nil, nil)
+	descParkedWaitingJobs = prometheus.NewDesc("outbox_ordering_parked_waiting_jobs", "Ordered River jobs held pending behind a parked key.", nil, nil)
+	descOldestWait        = prometheus.NewDesc("outbox_ordering_oldest_wait_seconds", "How long the longest-waiting ordered job has waited behind its key (0 when none waits).", nil, nil)
+	descParkedOldestWait  = prometheus.NewDesc("outbox_ordering_parked_oldest_wait_seconds", "How long the first job in line behind a parked key has waited, the longest among parked keys (0 when none waits).", nil, nil)
+	descOldestParkedAge   = prometheus.NewDesc("outbox_ordering_oldest_parked_age_seconds", "How long the key parked longest ago has been parked (0 when none is).", nil, nil)
+	descHeldKeys          = prometheus.NewDesc("outbox_ordering_held_keys", "Ordering keys whose later events wait in the outbox behind a failed event of the key (requeue or cancel it).", nil, nil)
 )
 
 func (c *dbCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descPending, descDue, descScheduled, descNextDue, descBehind, descOldest, descFailedNow, descProcessing, descScrapeError} {
+	for _, d := range []*prometheus.Desc{descPending, descDue, descScheduled, descNextDue, descBehind, descOldest, descFailedNow, descProcessing, descScrapeError,
+		descOrderingKeys, descParkedKeys, descWaitingJobs, descParkedWaitingJobs, descOldestWait, descParkedOldestWait, descOldestParkedAge, descHeldKeys} {
 		ch <- d
 	}
 }
@@ -226,18 +239,38 @@ func (c *dbCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), c.m.cfg.QueryTimeout)
 	defer cancel()
-	b, err := ReadBacklog(ctx, pool, behindAfter)
-	if err != nil {
-		ch <- prometheus.MustNewConstMetric(descScrapeError, prometheus.GaugeValue, 0)
-		return
+	// Each reading stands alone: when one fails, the other's gauges are
+	// still reported, and outbox_database_up says that one failed.
+	up := 1.0
+	if b, err := ReadBacklog(ctx, pool, behindAfter); err != nil {
+		up = 0
+	} else {
+		gauge := func(d *prometheus.Desc, v float64) { ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v) }
+		gauge(descPending, float64(b.Due+b.Scheduled))
+		gauge(descDue, float64(b.Due))
+		gauge(descScheduled, float64(b.Scheduled))
+		gauge(descNextDue, b.NextDueIn.Seconds())
+		gauge(descBehind, float64(b.DueOver))
+		gauge(descOldest, b.OldestDueAge.Seconds())
+		gauge(descFailedNow, float64(b.Failed))
+		gauge(descProcessing, float64(b.Processing))
 	}
-	ch <- prometheus.MustNewConstMetric(descScrapeError, prometheus.GaugeValue, 1)
-	ch <- prometheus.MustNewConstMetric(descPending, prometheus.GaugeValue, float64(b.Due+b.Scheduled))
-	ch <- prometheus.MustNewConstMetric(descDue, prometheus.GaugeValue, float64(b.Due))
-	ch <- prometheus.MustNewConstMetric(descScheduled, prometheus.GaugeValue, float64(b.Scheduled))
-	ch <- prometheus.MustNewConstMetric(descNextDue, prometheus.GaugeValue, b.NextDueIn.Seconds())
-	ch <- prometheus.MustNewConstMetric(descBehind, prometheus.GaugeValue, float64(b.DueOver))
-	ch <- prometheus.MustNewConstMetric(descOldest, prometheus.GaugeValue, b.OldestDueAge.Seconds())
-	ch <- prometheus.MustNewConstMetric(descFailedNow, prometheus.GaugeValue, float64(b.Failed))
-	ch <- prometheus.MustNewConstMetric(descProcessing, prometheus.GaugeValue, float64(b.Processing))
+	if o, err := ReadOrdering(ctx, pool); err != nil {
+		up = 0
+	} else {
+		gauge := func(d *prometheus.Desc, v float64, labels ...string) {
+			ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
+		}
+		gauge(descOrderingKeys, float64(o.Keys))
+		gauge(descParkedKeys, float64(o.ParkedDiscarded), "discarded")
+		gauge(descParkedKeys, float64(o.ParkedCancelled), "cancelled")
+		gauge(descParkedKeys, float64(o.ParkedDeleted), "deleted")
+		gauge(descWaitingJobs, float64(o.Waiting))
+		gauge(descParkedWaitingJobs, float64(o.WaitingParked))
+		gauge(descOldestWait, o.OldestWait.Seconds())
+		gauge(descParkedOldestWait, o.OldestParkedWait.Seconds())
+		gauge(descOldestParkedAge, o.OldestParkedAge.Seconds())
+		gauge(descHeldKeys, float64(o.HeldKeys))
+	}
+	ch <- prometheus.MustNewConstMetric(descScrapeError, prometheus.GaugeValue, up)
 }

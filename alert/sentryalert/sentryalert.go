@@ -9,15 +9,18 @@
 // ("mail.user." for mail.user.welcome), so a thousand dead-lettered
 // mail.user.* events are one Sentry issue, and unroutable billing events
 // are another. Alerts without an event (a failing dispatcher loop, a
-// disconnected listener) use "-" as the prefix.
+// disconnected listener) use "-" as the prefix. A parked ordering key is
+// one issue per key and queue:
+//
+//	["outbox", "parked_key", <tenant or "-">, <ordering key>, <queue>]
 //
 // Bursts: at most Burst alerts per fingerprint are sent per Window; the
 // rest are counted and the next alert sent for that fingerprint carries the
 // number suppressed (context "outbox", key "suppressed"). Every alert is
 // still written to Logger when one is set.
 //
-// Privacy: an alert carries the event id, type, tenant, retries and the
-// error, never the payload (it may hold personal data), and the client is
+// Privacy: an alert carries the event id, type, tenant, retries, the
+// ordering key, queue and job id, and the error, never the payload (it may hold personal data), and the client is
 // created with SendDefaultPII off. IncludePayload opts in: the payload is
 // then read from the database by id and attached.
 package sentryalert
@@ -157,6 +160,13 @@ func TypePrefix(eventType string, n int) string {
 
 // Fingerprint is the grouping of an alert in Sentry.
 func (a *Alerter) Fingerprint(al alert.Alert) []string {
+	if al.Reason == alert.ParkedKey {
+		tenant := al.TenantID
+		if tenant == "" {
+			tenant = "-"
+		}
+		return []string{"outbox", string(al.Reason), tenant, al.OrderingKey, al.Queue}
+	}
 	return []string{"outbox", string(al.Reason), TypePrefix(al.EventType, a.cfg.PrefixSegments)}
 }
 
@@ -172,7 +182,7 @@ func (a *Alerter) Alert(ctx context.Context, al alert.Alert) {
 	if !send {
 		return
 	}
-	prefix := fp[2]
+	prefix := TypePrefix(al.EventType, a.cfg.PrefixSegments)
 
 	ev := sentry.NewEvent()
 	ev.Level = sentry.LevelError
@@ -194,6 +204,9 @@ func (a *Alerter) Alert(ctx context.Context, al alert.Alert) {
 	if al.TenantID != "" {
 		ev.Tags["outbox.tenant_id"] = al.TenantID
 	}
+	if al.Queue != "" {
+		ev.Tags["outbox.queue"] = al.Queue
+	}
 	detail := sentry.Context{"reason": string(al.Reason)}
 	if al.EventID != 0 {
 		detail["event_id"] = strconv.FormatInt(al.EventID, 10)
@@ -206,6 +219,15 @@ func (a *Alerter) Alert(ctx context.Context, al alert.Alert) {
 	}
 	if al.Retries != 0 {
 		detail["retries"] = al.Retries
+	}
+	if al.OrderingKey != "" {
+		detail["ordering_key"] = al.OrderingKey
+	}
+	if al.Queue != "" {
+		detail["queue"] = al.Queue
+	}
+	if al.JobID != 0 {
+		detail["job_id"] = strconv.FormatInt(al.JobID, 10)
 	}
 	if al.Err != "" {
 		detail["error"] = al.Err

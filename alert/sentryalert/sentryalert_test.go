@@ -7,6 +7,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -308,5 +309,49 @@ func TestTypePrefixAndConfig(t *testing.T) {
 	}
 	if _, err := sentryalert.New(sentryalert.Config{DSN: "not a dsn"}); err == nil || !strings.Contains(err.Error(), "SENTRY_DSN") {
 		t.Errorf("New with a bad DSN = %v", err)
+	}
+}
+
+// TestParkedKeyIsOneIssuePerKey: parked-key alerts are grouped per
+// (tenant, ordering key, queue), not per event type, and each group has
+// its own rate limit; the alert carries the key, queue and head job.
+func TestParkedKeyIsOneIssuePerKey(t *testing.T) {
+	t.Parallel()
+	srv := newSentryServer(t)
+	client, err := sentry.NewClient(sentry.ClientOptions{Dsn: srv.dsn(), Transport: sentry.NewHTTPSyncTransport()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	al, err := sentryalert.New(sentryalert.Config{Client: client, Burst: 2, Window: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := pgtest.Context(t, time.Minute)
+	parked := func(tenant, key string, job int64) alert.Alert {
+		return alert.Alert{Reason: alert.ParkedKey, Message: "parked", TenantID: tenant, OrderingKey: key,
+			Queue: "outbox_order", JobID: job, EventID: job + 1000, EventType: "order.step.done"}
+	}
+	for i := range 5 {
+		al.Alert(ctx, parked("acme", "order-42", int64(i+1)))
+	}
+	al.Alert(ctx, parked("acme", "order-43", 7))
+	al.Alert(ctx, parked("", "order-42", 8))
+	al.Flush(5 * time.Second)
+	got := map[string]int{}
+	for range 4 {
+		r := srv.next(ctx, "the parked-key alerts")
+		got[strings.Join(r.event.Fingerprint, "/")]++
+		if r.event.Tags["outbox.queue"] != "outbox_order" || r.event.Contexts["outbox"]["ordering_key"] == nil || r.event.Contexts["outbox"]["job_id"] == nil {
+			t.Errorf("parked-key alert without its queue tag, key or job: tags %v, context %v", r.event.Tags, r.event.Contexts["outbox"])
+		}
+	}
+	srv.none("the rest of one key's burst")
+	want := map[string]int{
+		"outbox/parked_key/acme/order-42/outbox_order": 2,
+		"outbox/parked_key/acme/order-43/outbox_order": 1,
+		"outbox/parked_key/-/order-42/outbox_order":    1,
+	}
+	if !maps.Equal(got, want) {
+		t.Fatalf("sent per fingerprint: %v, want %v", got, want)
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/outboxhq/outbox/admin"
 	"github.com/outboxhq/outbox/internal/config"
 	"github.com/outboxhq/outbox/internal/filter"
+	"github.com/outboxhq/outbox/internal/plural"
 	"github.com/outboxhq/outbox/route"
 )
 
@@ -28,6 +29,7 @@ func runStats(ctx context.Context, c *cli, args []string) error {
 	maxStalled := fs.Int64("max-stalled", def.MaxStalled, "alert when more River jobs than this are stalled")
 	maxFailed := fs.Int64("max-failed", def.MaxFailed, "alert when more events than this are failed (dead-lettered or unroutable); the default 0 alerts on any; -1: off")
 	maxDiscarded := fs.Int64("max-discarded", def.MaxDiscarded, "alert when more outbox River jobs than this are discarded (-1: off)")
+	maxParked := fs.Int64("max-parked", def.MaxParked, "alert when more ordering keys than this are parked; the default 0 alerts on any (list them with outboxctl keys); -1: off")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -38,7 +40,7 @@ func runStats(ctx context.Context, c *cli, args []string) error {
 		return usagef("--stalled-after must be positive, got %s", *stalledAfter)
 	}
 	opts := admin.StatsOpts{StalledAfter: *stalledAfter,
-		Thresholds: admin.Thresholds{MaxBehind: *maxBehind, MaxStalled: *maxStalled, MaxFailed: *maxFailed, MaxDiscarded: *maxDiscarded}}
+		Thresholds: admin.Thresholds{MaxBehind: *maxBehind, MaxStalled: *maxStalled, MaxFailed: *maxFailed, MaxDiscarded: *maxDiscarded, MaxParked: *maxParked}}
 	if *routesFile != "" {
 		var err error
 		if opts.Routes, err = route.Load(*routesFile); err != nil {
@@ -120,6 +122,7 @@ func printStats(w io.Writer, r *admin.Stats) {
 	}
 	fmt.Fprintln(w)
 	fmt.Fprintf(w, "oldest due pending: %.1fs; pending due for more than 60s: %d\n", r.OldestDuePendingAgeS, r.PendingDueOver60s)
+	printOrdering(w, r.Ordering)
 	if r.RetentionLastFinished != nil {
 		fmt.Fprintf(w, "retention last finished: %s\n", r.RetentionLastFinished.Format(time.RFC3339))
 	} else {
@@ -151,5 +154,20 @@ func printStats(w io.Writer, r *admin.Stats) {
 	}
 	for _, a := range r.Alerts {
 		fmt.Fprintf(w, "ALERT %s: %s\n", a.Name, clean(a.Message))
+	}
+}
+
+// printOrdering prints the ordering keys' line: one short line when
+// ordering is unused.
+func printOrdering(w io.Writer, o admin.OrderingStats) {
+	if o.Keys == 0 && o.HeldKeys == 0 {
+		fmt.Fprintln(w, "ordering keys: none in flight")
+		return
+	}
+	fmt.Fprintf(w, "ordering keys: %d in flight, %d parked (%d discarded, %d cancelled, %d deleted); %s waiting (%d behind parked keys); oldest wait %.1fs (behind a parked key %.1fs)\n",
+		o.Keys, o.Parked, o.ParkedByState["discarded"], o.ParkedByState["cancelled"], o.ParkedByState["deleted"],
+		plural.Of(o.Waiting, "job", "jobs"), o.WaitingParked, o.OldestWaitS, o.OldestParkedWaitS)
+	if o.HeldKeys > 0 {
+		fmt.Fprintf(w, "ordering keys held in the outbox behind a failed event: %d (requeue or cancel the failed event)\n", o.HeldKeys)
 	}
 }

@@ -9,7 +9,7 @@
 // It also runs the daily retention of done events (OUTBOX_RETENTION_ENABLED,
 // one instance at a time) in every process that has a database (with the
 // dispatcher, the workers or both), sends alerts to Sentry when SENTRY_DSN is
-// set, serves /metrics, /healthz, /readyz, the console and River UI on
+// set (a parked ordering key raises one alert), serves /metrics, /healthz, /readyz, the console and River UI on
 // OUTBOX_HTTP_ADDR, 127.0.0.1:9090 by default (docs/console.md), and works a
 // River queue group when OUTBOX_WORKER_QUEUES or OUTBOX_WORKER_GROUP is set,
 // with or without the dispatcher (docs/receivers.md).
@@ -194,6 +194,10 @@ func run() int {
 			services = append(services, service.Named{Name: "listener watch", Service: &listenerWatch{
 				d: d, al: alerter, after: time.Duration(cfg.ListenerAlertAfterMS) * time.Millisecond, tick: time.Second}})
 		}
+		// Parked ordering keys raise an alert each (parked.go), from the
+		// dispatcher's processes.
+		services = append(services, service.Named{Name: "parked key watch", Service: &parkedWatch{
+			pool: pool, al: alerter, logger: logger, tick: parkedCheckEvery}})
 	}
 	// Retention runs in every process with a database, with or without the
 	// dispatcher (a worker-only outboxd purges too); its advisory lock makes

@@ -1,0 +1,109 @@
+package admin_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/admin"
+	"github.com/outboxhq/outbox/alert"
+	"github.com/outboxhq/outbox/claim"
+	"github.com/outboxhq/outbox/internal/pgtest"
+	outboxriver "github.com/outboxhq/outbox/river"
+	"github.com/outboxhq/outbox/route"
+)
+
+// TestStatsShowParkedKeysAndAlert parks a real key (keyed events handed off
+// by the claim, the head job discarded) and holds another in the outbox
+// behind a failed event: Stats reports both in Ordering, raises
+// keys_parked with the count and a pointer to outboxctl keys under the
+// default thresholds, not above its threshold or when turned off, and
+// drops it once the key is unparked.
+func TestStatsShowParkedKeysAndAlert(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 4})
+	ctx := pgtest.Context(t, 120*time.Second)
+	cl := admin.New(s.Pool)
+
+	st, err := cl.Stats(ctx, admin.StatsOpts{Thresholds: admin.DefaultThresholds()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Ordering.Keys != 0 || st.Ordering.Parked != 0 || st.Ordering.ParkedByState["discarded"] != 0 || len(st.Ordering.ParkedByState) != 3 {
+		t.Fatalf("unused ordering: %+v", st.Ordering)
+	}
+	if names := alertNames(st); names != "[]" {
+		t.Fatalf("alerts without ordering %s", names)
+	}
+
+	ev := func(tenant, key string) outbox.Event {
+		return outbox.Event{Type: "order.step.done", TenantID: tenant, OrderingKey: key}
+	}
+	ids := pgtest.Publish(t, s.Pool, ev("acme", "order-42"), ev("acme", "order-42"), ev("acme", "order-42"),
+		ev("acme", "order-7"), ev("acme", "order-7"))
+	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET status = 'failed', last_error = 'test' WHERE id = $1`, ids[3]); err != nil {
+		t.Fatal(err)
+	}
+	routes, err := route.New([]route.Rule{{Prefix: "order.", Queues: []string{"outbox_order"}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rc, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &claim.Handoff{Pool: s.Pool, River: rc, Routes: routes, MaxRetries: 6, Alerter: alert.Func(func(context.Context, alert.Alert) {})}
+	if res, err := h.Batch(ctx, 100); err != nil || res.Jobs != 3 {
+		t.Fatalf("handoff %+v, %v; want 3 jobs", res, err)
+	}
+	if _, err := s.Pool.Exec(ctx, `
+		UPDATE river_job SET state = 'discarded', finalized_at = now()
+		WHERE id = (SELECT head_job_id FROM outbox_ordering_key WHERE tenant_id = 'acme' AND ordering_key = 'order-42')`); err != nil {
+		t.Fatal(err)
+	}
+
+	st, err = cl.Stats(ctx, admin.StatsOpts{Thresholds: admin.DefaultThresholds()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := st.Ordering
+	if o.Keys != 1 || o.Parked != 1 || o.ParkedByState["discarded"] != 1 || o.Waiting != 2 || o.WaitingParked != 2 || o.HeldKeys != 1 ||
+		o.OldestParkedWaitS <= 0 || o.OldestWaitS < o.OldestParkedWaitS || o.OldestParkedAgeS < 0 {
+		t.Fatalf("ordering %+v: want 1 key parked (discarded) with 2 jobs behind it, 1 held key", o)
+	}
+	// The failed event alerts too (events_failed): it holds order-7.
+	if names := alertNames(st); names != "[events_failed keys_parked]" {
+		t.Fatalf("alerts %s", names)
+	}
+	a := st.Alerts[1]
+	if a.Value != 1 || a.Threshold != 0 || !strings.Contains(a.Message, "1 ordering key is parked") ||
+		!strings.Contains(a.Message, "2 jobs wait") || !strings.Contains(a.Message, "outboxctl keys") {
+		t.Fatalf("keys_parked alert %+v", a)
+	}
+
+	for _, th := range []int64{1, -1} {
+		st, err = cl.Stats(ctx, admin.StatsOpts{Thresholds: admin.Thresholds{MaxBehind: -1, MaxStalled: -1, MaxFailed: -1, MaxDiscarded: -1, MaxParked: th}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if names := alertNames(st); names != "[]" {
+			t.Fatalf("MaxParked %d with 1 parked key: alerts %s", th, names)
+		}
+	}
+
+	if _, err := s.Pool.Exec(ctx, `SELECT * FROM outbox_unpark('test', false, 'order-42', 'skip', tenant_id => 'acme')`); err != nil {
+		t.Fatal(err)
+	}
+	st, err = cl.Stats(ctx, admin.StatsOpts{Thresholds: admin.Thresholds{MaxBehind: -1, MaxStalled: -1, MaxFailed: -1, MaxDiscarded: -1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o := st.Ordering; o.Parked != 0 || o.Keys != 1 || o.Waiting != 1 {
+		t.Fatalf("after unpark (skip): %+v, want the key running its next job, 1 waiting", o)
+	}
+	if names := alertNames(st); names != "[]" {
+		t.Fatalf("alerts after unpark %s", names)
+	}
+}

@@ -1,0 +1,161 @@
+package metrics_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/alert"
+	"github.com/outboxhq/outbox/claim"
+	"github.com/outboxhq/outbox/internal/pgtest"
+	"github.com/outboxhq/outbox/metrics"
+	outboxriver "github.com/outboxhq/outbox/river"
+	"github.com/outboxhq/outbox/route"
+)
+
+// handOff hands every due event off to River (queue outbox_order for
+// order.*) with the real claim, so the ordering triggers make heads and
+// waiting jobs.
+func handOff(t *testing.T, pool *pgxpool.Pool) claim.Result {
+	t.Helper()
+	routes, err := route.New([]route.Rule{{Prefix: "order.", Queues: []string{"outbox_order"}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rc, err := outboxriver.NewInsertClient(pool, outboxriver.InsertClientConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &claim.Handoff{Pool: pool, River: rc, Routes: routes, MaxRetries: 6, Alerter: alert.Func(func(context.Context, alert.Alert) {})}
+	res, err := h.Batch(pgtest.Context(t, 60*time.Second), 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return res
+}
+
+// park finalizes the head job of a key in state (discarded or cancelled),
+// as River does when the job runs out of attempts or is cancelled: the
+// settled trigger parks the key.
+func park(t *testing.T, pool *pgxpool.Pool, tenant, key, state string) {
+	t.Helper()
+	tag, err := pool.Exec(context.Background(), `
+		UPDATE river_job SET state = $3::river_job_state, finalized_at = now()
+		WHERE id = (SELECT head_job_id FROM outbox_ordering_key WHERE tenant_id = $1 AND ordering_key = $2)`, tenant, key, state)
+	if err != nil || tag.RowsAffected() != 1 {
+		t.Fatalf("park %s/%s: %v (%d rows)", tenant, key, err, tag.RowsAffected())
+	}
+}
+
+func ev(tenant, key string) outbox.Event {
+	return outbox.Event{Type: "order.step.done", TenantID: tenant, OrderingKey: key}
+}
+
+// TestReadOrderingCountsParkedWaitingAndHeldKeys builds, with the real
+// claim and triggers, a key parked by a discarded head with two jobs
+// behind it, a key parked by a cancelled head with none, a running key
+// with one job waiting and a key held in the outbox behind a failed
+// event, and checks ReadOrdering and the /metrics gauges: each count by
+// state, the waiting jobs with and without parked keys, the oldest waits
+// (overall and among parked keys apart) and the held keys. An empty schema
+// reads all zeros.
+func TestReadOrderingCountsParkedWaitingAndHeldKeys(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 4})
+	ctx := pgtest.Context(t, 120*time.Second)
+
+	if o, err := metrics.ReadOrdering(ctx, s.Pool); err != nil || o != (metrics.Ordering{}) {
+		t.Fatalf("unused ordering: %+v, %v; want all zero", o, err)
+	}
+
+	ids := pgtest.Publish(t, s.Pool,
+		ev("acme", "parked-d"), ev("acme", "parked-d"), ev("acme", "parked-d"),
+		ev("", "parked-c"),
+		ev("acme", "running"), ev("acme", "running"),
+		ev("beta", "held"), ev("beta", "held"), ev("beta", "held"),
+		outbox.Event{Type: "order.unkeyed.done"})
+	// The first event of "held" is dead-lettered before the handoff: the
+	// claim keeps the two after it pending in the outbox.
+	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET status = 'failed', last_error = 'test' WHERE id = $1`, ids[6]); err != nil {
+		t.Fatal(err)
+	}
+	if res := handOff(t, s.Pool); res.Jobs != 7 || res.Blocked != 2 {
+		t.Fatalf("handoff %+v, want 7 jobs and the 2 held events blocked", res)
+	}
+	park(t, s.Pool, "acme", "parked-d", "discarded")
+	park(t, s.Pool, "", "parked-c", "cancelled")
+	// Back-date the waits and a parking so the ages tell the keys apart:
+	// the longest wait overall is behind the running key, the longest
+	// among parked keys behind parked-d.
+	if _, err := s.Pool.Exec(ctx, `
+		UPDATE outbox_ordering_wait SET since = now() - CASE ordering_key WHEN 'running' THEN interval '10 minutes' ELSE interval '5 minutes' END;
+		UPDATE outbox_ordering_key SET parked_at = now() - interval '1 hour' WHERE ordering_key = 'parked-c'`); err != nil {
+		t.Fatal(err)
+	}
+
+	o, err := metrics.ReadOrdering(ctx, s.Pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.Keys != 3 || o.ParkedDiscarded != 1 || o.ParkedCancelled != 1 || o.ParkedDeleted != 0 || o.Parked() != 2 ||
+		o.Waiting != 3 || o.WaitingParked != 2 || o.HeldKeys != 1 {
+		t.Fatalf("ordering %+v: want 3 keys, 1 parked discarded, 1 cancelled, 3 waiting (2 behind parked keys), 1 held", o)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_wait`); int64(n) != o.Waiting {
+		t.Fatalf("Waiting %d (sum of outbox_ordering_key.waiting) but %d rows in outbox_ordering_wait", o.Waiting, n)
+	}
+	if o.OldestWait < 10*time.Minute || o.OldestWait > 11*time.Minute ||
+		o.OldestParkedWait < 5*time.Minute || o.OldestParkedWait > 6*time.Minute ||
+		o.OldestParkedAge < time.Hour || o.OldestParkedAge > time.Hour+time.Minute {
+		t.Fatalf("ages %+v: want the oldest wait 10m, the oldest behind a parked key 5m, parked for 1h", o)
+	}
+
+	reg := prometheus.NewRegistry()
+	if err := metrics.New(metrics.Config{Pool: s.Pool}).Register(reg); err != nil {
+		t.Fatal(err)
+	}
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]float64{}
+	for _, f := range families {
+		for _, m := range f.GetMetric() {
+			name := f.GetName()
+			for _, l := range m.GetLabel() {
+				name += "{" + l.GetName() + "=" + l.GetValue() + "}"
+			}
+			if m.GetGauge() != nil {
+				got[name] = m.GetGauge().GetValue()
+			}
+		}
+	}
+	want := map[string]float64{
+		"outbox_database_up":                           1,
+		"outbox_ordering_keys":                         3,
+		"outbox_ordering_parked_keys{state=discarded}": 1,
+		"outbox_ordering_parked_keys{state=cancelled}": 1,
+		"outbox_ordering_parked_keys{state=deleted}":   0,
+		"outbox_ordering_waiting_jobs":                 3,
+		"outbox_ordering_parked_waiting_jobs":          2,
+		"outbox_ordering_held_keys":                    1,
+	}
+	for name, v := range want {
+		if g, ok := got[name]; !ok || g != v {
+			t.Errorf("%s = %v (present %v), want %v", name, g, ok, v)
+		}
+	}
+	if g := got["outbox_ordering_oldest_wait_seconds"]; g < 600 || g > 660 {
+		t.Errorf("outbox_ordering_oldest_wait_seconds = %v, want about 600", g)
+	}
+	if g := got["outbox_ordering_parked_oldest_wait_seconds"]; g < 300 || g > 360 {
+		t.Errorf("outbox_ordering_parked_oldest_wait_seconds = %v, want about 300", g)
+	}
+	if g := got["outbox_ordering_oldest_parked_age_seconds"]; g < 3600 || g > 3660 {
+		t.Errorf("outbox_ordering_oldest_parked_age_seconds = %v, want about 3600", g)
+	}
+}
