@@ -106,7 +106,7 @@ func TestReadOrderingCountsParkedWaitingAndHeldKeys(t *testing.T) {
 		t.Fatalf("ordering %+v: want 3 keys, 1 parked discarded, 1 cancelled, 3 waiting (2 behind parked keys), 1 held", o)
 	}
 	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_wait`); int64(n) != o.Waiting {
-		t.Fatalf("Waiting %d (sum of outbox_ordering_key.waiting) but %d rows in outbox_ordering_wait", o.Waiting, n)
+		t.Fatalf("Waiting %d  but %d rows in outbox_ordering_wait", o.Waiting, n)
 	}
 	if o.OldestWait < 10*time.Minute || o.OldestWait > 11*time.Minute ||
 		o.OldestParkedWait < 5*time.Minute || o.OldestParkedWait > 6*time.Minute ||

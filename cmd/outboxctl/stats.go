@@ -122,7 +122,7 @@ func printStats(w io.Writer, r *admin.Stats) {
 	}
 	fmt.Fprintln(w)
 	fmt.Fprintf(w, "oldest due pending: %.1fs; pending due for more than 60s: %d\n", r.OldestDuePendingAgeS, r.PendingDueOver60s)
-	printOrdering(w, r.Ordering)
+	printOrderingStats(w, r.Ordering)
 	if r.RetentionLastFinished != nil {
 		fmt.Fprintf(w, "retention last finished: %s\n", r.RetentionLastFinished.Format(time.RFC3339))
 	} else {
@@ -157,9 +157,9 @@ func printStats(w io.Writer, r *admin.Stats) {
 	}
 }
 
-// printOrdering prints the ordering keys' line: one short line when
+// printOrderingStats prints the ordering keys' line: one short line when
 // ordering is unused.
-func printOrdering(w io.Writer, o admin.OrderingStats) {
+func printOrderingStats(w io.Writer, o admin.OrderingStats) {
 	if o.Keys == 0 && o.HeldKeys == 0 {
 		fmt.Fprintln(w, "ordering keys: none in flight")
 		return

@@ -31,7 +31,8 @@ const parkedLimit = 1000
 // outbox_ordering_key_parked_idx (nothing to read when none is parked),
 // with the head event's type when the event is still stored.
 const parkedSQL = `
-SELECT k.tenant_id, k.ordering_key, k.queue, k.head_job_id, coalesce(k.head_event_id, 0), k.parked_state, k.parked_at, k.waiting,
+SELECT k.tenant_id, k.ordering_key, k.queue, k.head_job_id, coalesce(k.head_event_id, 0), k.parked_state, k.parked_at,
+       (SELECT count(*) FROM outbox_ordering_wait w WHERE w.tenant_id = k.tenant_id AND w.ordering_key = k.ordering_key AND w.queue = k.queue),
        coalesce(e.event_type, '')
 FROM outbox_ordering_key k
 LEFT JOIN outbox_event e ON e.id = k.head_event_id
