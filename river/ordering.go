@@ -17,10 +17,11 @@ import (
 
 // NewOrderedCompletionMiddleware returns River worker middleware that
 // completes an ordered job (one whose metadata carries
-// MetadataOrderingKey) in a short transaction as soon as its worker
-// returns nil (shared with the ordered jobs that end meanwhile: see
-// orderedCompletion), instead of leaving it to River's batch completer, which
-// writes completions every 50 to 250 ms. The ordering trigger of
+// MetadataOrderingKey) in a short transaction of its own as soon as its
+// worker returns nil, instead of leaving it to River's batch completer,
+// which writes completions every 50 to 250 ms. Under load, when more
+// ordered jobs end at once than it writes at a time, it leaves the rest to
+// River's completer (see orderedCompletion). The ordering trigger of
 // migration 011 runs in that transaction: it releases the next job of the
 // key and sends River's insert notification for its queue, so the next job
 // starts within milliseconds of the previous one's end.
@@ -32,36 +33,37 @@ import (
 // client configured by hand adds it to Config.Middleware. A job its worker
 // completed already (river.JobCompleteTx, WithIdempotency) is left as it
 // is. If the completion fails, River's completer completes the job as
-// usual; the error is logged through the client's logger.
+// usual; the error is logged (slog's default logger).
 func NewOrderedCompletionMiddleware() rivertype.WorkerMiddleware {
 	return &orderedCompletion{}
 }
 
-// orderedCompletion group-commits: the worker whose job ends while no
-// completion transaction is running writes its own at once; jobs that end
-// meanwhile queue, and when that transaction ends, the first of them
-// writes all that queued, in one transaction. One transaction (and one
-// NOTIFY per queue) serves many jobs under load, and a lone job waits for
-// nobody. The goroutines are River's workers, each blocked in its own
-// Work until its completion is written: nothing outlives them.
+// orderedCompletion completes at most maxFastCompletions jobs at once,
+// each in its own short transaction. A job that ends while they are all
+// busy is left to River's batch completer, which writes hundreds of
+// completions in one statement: when ordered jobs end faster than single
+// transactions can keep up with, many keys have jobs in flight, the
+// workers have other keys' jobs to run meanwhile, and the batch costs the
+// database far less per job; a key whose jobs run one by one (one hot key,
+// or a quiet system) finds a slot free and goes on within milliseconds.
+// The goroutines are River's workers, each blocked in its own Work until
+// its completion is written: nothing outlives them.
 type orderedCompletion struct {
 	river.WorkerMiddlewareDefaults
 
-	mu sync.Mutex
-	// queue holds the completions waiting for the next transaction;
-	// writing is true while a worker writes one.
-	queue   []*completion
-	writing bool
+	// slots holds a token per completion being written.
+	slotsOnce sync.Once
+	slots     chan struct{}
 }
+
+// maxFastCompletions is how many completions of ordered jobs one
+// middleware writes at once.
+const maxFastCompletions = 4
 
 type completion struct {
 	ctx    context.Context
 	client *river.Client[pgx.Tx]
 	job    *rivertype.JobRow
-	// done receives the outcome of the transaction that wrote the
-	// completion; lead tells a waiting worker to write the next one.
-	done chan error
-	lead chan struct{}
 }
 
 // anyArgs stands for the args of any job in river.JobCompleteTx: it
@@ -73,62 +75,35 @@ func (*anyArgs) UnmarshalJSON([]byte) error { return nil }
 
 func (m *orderedCompletion) Work(ctx context.Context, job *rivertype.JobRow, doInner func(context.Context) error) error {
 	err := doInner(ctx)
-	if err != nil || !isOrdered(job) {
+	if err != nil {
 		return err
+	}
+	if !isOrdered(job) {
+		return nil
 	}
 	client, cerr := river.ClientFromContextSafely[pgx.Tx](ctx)
 	if cerr != nil {
 		return nil // not a pgx client: River's completer completes the job
 	}
-	// The work context carries the client and the job's metadata updates;
-	// its cancellation (the job's timeout) must not cut a transaction that
-	// writes other jobs too.
-	c := &completion{ctx: context.WithoutCancel(ctx), client: client, job: job, done: make(chan error, 1), lead: make(chan struct{}, 1)}
-	m.mu.Lock()
-	m.queue = append(m.queue, c)
-	first := !m.writing
-	m.writing = true
-	m.mu.Unlock()
-	if first {
-		m.write()
-	}
-	var werr error
+	m.slotsOnce.Do(func() { m.slots = make(chan struct{}, maxFastCompletions) })
 	select {
-	case werr = <-c.done:
-	case <-c.lead:
-		m.write()
-		werr = <-c.done
+	case m.slots <- struct{}{}:
+	default:
+		return nil // every slot busy: River's completer completes the job
 	}
-	if werr != nil && ctx.Err() == nil {
+	defer func() { <-m.slots }()
+	// The work context carries the client and the job's metadata updates;
+	// its cancellation (the job's timeout) must not cut the completion.
+	c := &completion{ctx: context.WithoutCancel(ctx), client: client, job: job}
+	if werr := completeNow([]*completion{c}); werr != nil && ctx.Err() == nil {
 		slog.Default().WarnContext(ctx, "outbox: completing an ordered job at once failed; River's completer completes it",
 			slog.Int64("job_id", job.ID), slog.String("error", werr.Error()))
 	}
 	return nil
 }
 
-// write writes every queued completion in one transaction, then passes
-// the writing on to the first completion queued meanwhile, if any.
-func (m *orderedCompletion) write() {
-	m.mu.Lock()
-	batch := m.queue
-	m.queue = nil
-	m.mu.Unlock()
-	err := completeNow(batch)
-	for _, c := range batch {
-		c.done <- err
-	}
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if len(m.queue) == 0 {
-		m.writing = false
-		return
-	}
-	m.queue[0].lead <- struct{}{}
-}
-
 // completeNow completes the jobs of batch in one transaction (on the
-// first one's client: every client of one middleware works one database).
-// A job its worker completed already is skipped.
+// first one's client). A job its worker completed already is skipped.
 func completeNow(batch []*completion) error {
 	if len(batch) == 0 {
 		return nil
@@ -164,7 +139,8 @@ func completeNow(batch []*completion) error {
 	return tx.Commit(ctx)
 }
 
-// isOrdered reports whether job carries an ordering key in its metadata.
+// isOrdered reports whether job carries an ordering key in its metadata
+// (MetadataOrderingKey).
 func isOrdered(job *rivertype.JobRow) bool {
 	if job == nil || !bytes.Contains(job.Metadata, []byte(`"`+MetadataOrderingKey+`"`)) {
 		return false

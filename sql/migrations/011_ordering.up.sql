@@ -153,19 +153,21 @@ BEGIN
     -- The key's row is locked either way until this transaction ends (as
     -- its inserter, or FOR UPDATE), so that the release of its head, which
     -- locks it too, sees this job's wait row or runs before it is queued.
+    -- The lock first: a busy key's jobs mostly wait, and a lock is cheaper
+    -- than an insert that conflicts.
     LOOP
+        PERFORM 1 FROM outbox_ordering_key k
+        WHERE k.tenant_id = v_tenant AND k.ordering_key = v_key AND k.queue = NEW.queue
+        FOR UPDATE;
+        EXIT WHEN FOUND;
         INSERT INTO outbox_ordering_key (tenant_id, ordering_key, queue, head_job_id, head_event_id, head_position)
         VALUES (v_tenant, v_key, NEW.queue, NEW.id, v_event, v_pos)
         ON CONFLICT (tenant_id, ordering_key, queue) DO NOTHING;
         IF FOUND THEN
             RETURN NEW; -- the key was free: this job is its head
         END IF;
-        PERFORM 1 FROM outbox_ordering_key k
-        WHERE k.tenant_id = v_tenant AND k.ordering_key = v_key AND k.queue = NEW.queue
-        FOR UPDATE;
-        EXIT WHEN FOUND;
-        -- The head was released and the key's row deleted in between: try
-        -- to become the head again.
+        -- Another transaction made the key's row in between (or released
+        -- its head and deleted it): look again.
     END LOOP;
     INSERT INTO outbox_ordering_wait (tenant_id, ordering_key, queue, position, job_id, event_id)
     VALUES (v_tenant, v_key, NEW.queue, v_pos, NEW.id, v_event);
@@ -221,16 +223,19 @@ DECLARE
     v_found boolean;
 BEGIN
     LOOP
-        DELETE FROM outbox_ordering_wait d
-        WHERE (d.tenant_id, d.ordering_key, d.queue, d.position, d.job_id) = (
-            SELECT x.tenant_id, x.ordering_key, x.queue, x.position, x.job_id FROM outbox_ordering_wait x
-            WHERE x.tenant_id = p_tenant AND x.ordering_key = p_key AND x.queue = p_queue
-            ORDER BY x.position, x.job_id LIMIT 1)
-        RETURNING d.position, d.job_id, d.event_id INTO w;
+        -- The first in line, by the primary key. No other transaction
+        -- changes the key's wait rows meanwhile: each holds the key's row
+        -- lock, as the caller does.
+        SELECT x.position, x.job_id, x.event_id INTO w FROM outbox_ordering_wait x
+        WHERE x.tenant_id = p_tenant AND x.ordering_key = p_key AND x.queue = p_queue
+        ORDER BY x.position, x.job_id LIMIT 1;
         IF NOT FOUND THEN
             DELETE FROM outbox_ordering_key k WHERE k.tenant_id = p_tenant AND k.ordering_key = p_key AND k.queue = p_queue;
             RETURN;
         END IF;
+        DELETE FROM outbox_ordering_wait x
+        WHERE x.tenant_id = p_tenant AND x.ordering_key = p_key AND x.queue = p_queue
+          AND x.position = w.position AND x.job_id = w.job_id;
         SELECT r.state::text INTO v_state FROM river_job r WHERE r.id = w.job_id FOR UPDATE;
         v_found := FOUND;
         IF v_found AND v_state = 'completed' THEN
