@@ -14,7 +14,9 @@ type Results struct {
 	Producer []ProducerCell  `json:"producer,omitempty"`
 	// Scheduled is the claim beside a backlog of delayed events.
 	Scheduled []ScheduledResult `json:"scheduled,omitempty"`
-	Goals     []Goal            `json:"goals"`
+	// Soak is the long run through outboxd (-scenarios soak).
+	Soak  *SoakResults `json:"soak,omitempty"`
+	Goals []Goal       `json:"goals"`
 }
 
 // Goal is one of issue 5's targets, checked against this run.
@@ -218,6 +220,9 @@ func markdown(r *Results) string {
 			}
 		}
 		b.WriteString("\n")
+	}
+	if r.Soak != nil {
+		soakMarkdown(&b, r.Soak)
 	}
 	if len(r.Goals) > 0 {
 		b.WriteString("## Goals\n\n| goal | target | measured | |\n|---|---|---|---|\n")
