@@ -29,9 +29,10 @@ func (w *signalWorker) Work(_ context.Context, job *river.Job[outboxriver.EventA
 }
 
 // TestEveryBatchWakesTheWorkers hands off two batches back to back through
-// an insert client whose own notification River rate-limits to one an hour,
-// to workers that poll once an hour: the second batch's job is worked at
-// once only because every batch announces its queues (AnnounceSQL).
+// the dispatcher's insert client (Silent: River notifies for its first
+// insert only) to workers that poll once an hour: the second batch's job
+// is worked at once only because every batch announces its queues
+// (AnnounceSQL).
 func TestEveryBatchWakesTheWorkers(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
@@ -40,7 +41,7 @@ func TestEveryBatchWakesTheWorkers(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ins, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{FetchCooldown: time.Hour})
+	ins, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{Silent: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -72,7 +73,7 @@ func TestEveryBatchWakesTheWorkers(t *testing.T) {
 		if err != nil || res.Jobs != 1 {
 			t.Fatalf("batch %d: %+v, %v", i, res, err)
 		}
-		// Far below the hour of River's cooldown and of the workers' poll.
+		// Far below the workers' hour-long poll.
 		select {
 		case got := <-w.worked:
 			if got != id {

@@ -73,3 +73,51 @@ func TestAnnounceFoldsIntoRiversNotification(t *testing.T) {
 		t.Errorf("notifications %v, want River's and the announce's folded into one per queue", got)
 	}
 }
+
+// TestSilentInsertClientNotifiesOnce checks that a Silent insert client
+// leaves the announcement of its inserts to the caller: River notifies for
+// its first insert only.
+func TestSilentInsertClientNotifiesOnce(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	lis, err := pgx.Connect(ctx, s.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = lis.Close(context.WithoutCancel(ctx)) }()
+	channel := s.Name + ".river_insert"
+	if _, err := lis.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	ins, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{Silent: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		err := pgx.BeginFunc(ctx, s.Pool, func(tx pgx.Tx) error {
+			_, err := ins.InsertTx(ctx, tx, outboxriver.EventArgs{EventID: int64(i), EventType: "mail.user.created"}, &river.InsertOpts{Queue: "outbox_mail"})
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := s.Pool.Exec(ctx, "SELECT pg_notify($1, 'end')", channel); err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for {
+		msg, err := lis.WaitForNotification(ctx)
+		if err != nil {
+			t.Fatalf("wait for the notifications: %v", err)
+		}
+		if msg.Payload == "end" {
+			break
+		}
+		n++
+	}
+	if n != 1 {
+		t.Errorf("River sent %d insert notifications for 3 inserts, want 1 (the first)", n)
+	}
+}
