@@ -249,8 +249,8 @@ func firstWords(s string, n int) string {
 // ratesMarkdown writes the latency-versus-rate table and its attribution.
 func ratesMarkdown(b *strings.Builder, r *RateResults) {
 	fmt.Fprintf(b, "## Latency versus offered rate, %s per rate and mode (ms)\n\n", r.Duration)
-	fmt.Fprintf(b, "Kept up: %s. Latencies count from the producer's commit; a producer that lags its schedule is shown by its lag p99.\n\n", r.KeepUpRule)
-	b.WriteString("| rate (ev/s) | mode | achieved ev/s | producer lag p99 | drain s | kept up | handoff p50 / p99 / p99.9 | end to end p50 / p99 / p99.9 |\n|--:|---|--:|--:|--:|---|--:|--:|\n")
+	fmt.Fprintf(b, "Kept up: %s. Latencies count from the producer's commit; a producer that lags its schedule is shown by its lag p99. CPU: milliseconds of CPU per published event, of the bench process (producers, dispatcher, River workers, the sampling) + the Postgres server's processes, from the first event to the last job's start.\n\n", r.KeepUpRule)
+	b.WriteString("| rate (ev/s) | mode | achieved ev/s | producer lag p99 | drain s | kept up | handoff p50 / p99 / p99.9 | end to end p50 / p99 / p99.9 | CPU ms/event bench + server |\n|--:|---|--:|--:|--:|---|--:|--:|--:|\n")
 	trio := func(s *Summary) string {
 		if s == nil {
 			return "–"
@@ -259,7 +259,7 @@ func ratesMarkdown(b *strings.Builder, r *RateResults) {
 	}
 	for _, run := range r.Runs {
 		if run.Skipped != "" {
-			fmt.Fprintf(b, "| %d | %s | | | | not run: %s | | |\n", run.Rate, run.Mode, run.Skipped)
+			fmt.Fprintf(b, "| %d | %s | | | | not run: %s | | | |\n", run.Rate, run.Mode, run.Skipped)
 			continue
 		}
 		lag := "–"
@@ -278,7 +278,7 @@ func ratesMarkdown(b *strings.Builder, r *RateResults) {
 		if run.NotSent > 0 {
 			achieved += fmt.Sprintf(" (%d not sent)", run.NotSent)
 		}
-		fmt.Fprintf(b, "| %d | %s | %s | %s | %s | %s | %s | %s |\n", run.Rate, run.Mode, achieved, lag, drain, kept, trio(run.Handoff), trio(run.EndToEnd))
+		fmt.Fprintf(b, "| %d | %s | %s | %s | %s | %s | %s | %s | %s |\n", run.Rate, run.Mode, achieved, lag, drain, kept, trio(run.Handoff), trio(run.EndToEnd), run.CPU)
 	}
 	b.WriteString("\n")
 	for _, n := range r.Notes {
