@@ -309,6 +309,8 @@ func soakPlot(s *SoakResults, path string) error {
 		name string
 		y    func(SoakSample) float64
 	}
+	// The latency panel (logY) leaves out the final sample: its interval
+	// is the short wait after the producers stopped.
 	panel := func(title, ylabel string, logY bool, ss []series) (*plot.Plot, error) {
 		p := plot.New()
 		p.Title.Text = title
@@ -324,6 +326,9 @@ func soakPlot(s *SoakResults, path string) error {
 		for i, sr := range ss {
 			pts := make(plotter.XYs, 0, len(s.Samples))
 			for _, x := range s.Samples {
+				if logY && x.Final {
+					continue
+				}
 				y := sr.y(x)
 				if logY {
 					y = max(y, 0.01)

@@ -50,6 +50,9 @@ type SoakResults struct {
 type SoakSample struct {
 	// At is the end of the interval, seconds since the producers started.
 	At float64 `json:"at_s"`
+	// Final: the sample taken after the producers stopped and the workers
+	// finished (or one more interval passed); its interval is short.
+	Final bool `json:"final,omitempty"`
 	// Published, Handed and Worked count the events committed, handed off
 	// and started by a worker in the interval, per second.
 	Published float64 `json:"published_per_s"`
@@ -383,11 +386,11 @@ func runSoak(ctx context.Context, e *env, o *Options) (*SoakResults, error) {
 	defer tick.Stop()
 	var prevPub, prevWorked, prevHanded int64
 	prevAt := start
-	sample := func(now time.Time) error {
+	sample := func(now time.Time, final bool) error {
 		if err := readHandoffs(); err != nil {
 			return fmt.Errorf("read handoffs: %w", err)
 		}
-		s := SoakSample{At: now.Sub(start).Seconds(), Tables: map[string]SoakTable{}}
+		s := SoakSample{At: now.Sub(start).Seconds(), Final: final, Tables: map[string]SoakTable{}}
 		secs := now.Sub(prevAt).Seconds()
 		pub, worked := published.Load(), c.worked.Load()
 		c.mu.Lock()
@@ -428,7 +431,7 @@ func runSoak(ctx context.Context, e *env, o *Options) (*SoakResults, error) {
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		case now := <-tick.C:
-			if err := sample(now); err != nil {
+			if err := sample(now, false); err != nil {
 				return nil, err
 			}
 		}
@@ -451,7 +454,7 @@ func runSoak(ctx context.Context, e *env, o *Options) (*SoakResults, error) {
 	for c.worked.Load() < int64(res.Published) && time.Now().Before(deadline) {
 		time.Sleep(20 * time.Millisecond)
 	}
-	if err := sample(time.Now()); err != nil {
+	if err := sample(time.Now(), true); err != nil {
 		return nil, err
 	}
 	res.Worked = int(c.worked.Load())
@@ -514,8 +517,12 @@ func soakMarkdown(b *strings.Builder, s *SoakResults) {
 	b.WriteString("|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
 	for _, x := range s.Samples {
 		o, r := x.Tables["outbox_event"], x.Tables["river_job"]
-		fmt.Fprintf(b, "| %.0f | %.0f | %.0f | %.0f | %.2f | %.2f / %.2f | %d | %d | %.1f (%.1f) | %.1f (%.1f) | %d / %d | %d / %d | %d / %d |\n",
-			x.At, x.Published, x.Handed, x.Worked, x.HandoffP99, x.EndToEndP50, x.EndToEndP99, x.Pending, x.Available,
+		at := fmt.Sprintf("%.0f", x.At)
+		if x.Final {
+			at += " (end: producers stopped, backlog worked)"
+		}
+		fmt.Fprintf(b, "| %s | %.0f | %.0f | %.0f | %.2f | %.2f / %.2f | %d | %d | %.1f (%.1f) | %.1f (%.1f) | %d / %d | %d / %d | %d / %d |\n",
+			at, x.Published, x.Handed, x.Worked, x.HandoffP99, x.EndToEndP50, x.EndToEndP99, x.Pending, x.Available,
 			mib(o.TotalBytes), mib(o.HeapBytes), mib(r.TotalBytes), mib(r.HeapBytes), o.DeadTuples, r.DeadTuples,
 			o.Autovacuum, r.Autovacuum, o.Autoanalyze, r.Autoanalyze)
 	}
