@@ -390,24 +390,11 @@ func procPeakRSSMiB(pid int) (float64, error) {
 
 // procCPUSeconds reads utime+stime of a process from /proc/PID/stat.
 func procCPUSeconds(pid int) (float64, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	f, err := procStatFields(pid)
 	if err != nil {
 		return 0, err
 	}
-	// Fields after the command name (which may contain spaces) start at
-	// state; utime and stime are fields 14 and 15 (1-based).
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	f := strings.Fields(s[i+1:])
-	if len(f) < 13 {
-		return 0, fmt.Errorf("short /proc/%d/stat", pid)
-	}
-	ut, err1 := strconv.ParseFloat(f[11], 64)
-	st, err2 := strconv.ParseFloat(f[12], 64)
-	if err1 != nil || err2 != nil {
-		return 0, fmt.Errorf("bad /proc/%d/stat", pid)
-	}
-	return (ut + st) / clockTicks, nil
+	return ticks(f[11]) + ticks(f[12]), nil
 }
 
 // clockTicks is sysconf(_SC_CLK_TCK), 100 on Linux.

@@ -58,6 +58,9 @@ type LatencyResult struct {
 	// Waits are the pg_stat_activity samples of each role's active
 	// backends (producers, dispatcher, workers) while the events flowed.
 	Waits map[string][]string `json:"pg_wait_events,omitempty"`
+	// CPU is the CPU time per published event, from the producers' start
+	// to the last job's start (rates scenario).
+	CPU *CPUCost `json:"cpu,omitempty"`
 }
 
 type dispatchStat struct {
@@ -316,6 +319,14 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (LatencyResult, err
 			}
 		}()
 	}
+	var (
+		meter *cpuMeter
+		cpu0  cpuReading
+	)
+	if spec.sample {
+		meter = newCPUMeter(ctx, e.admin)
+		cpu0 = meter.read()
+	}
 	// Event i is due at start + i/rate, whatever the previous commits
 	// took (open loop).
 	interval := time.Second / time.Duration(spec.rate)
@@ -380,6 +391,9 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (LatencyResult, err
 		time.Sleep(5 * time.Millisecond)
 	}
 	res.Worked = int(c.worked.Load())
+	if meter != nil {
+		res.CPU = meter.cost(cpu0, meter.read(), res.Published)
+	}
 	if sampler != nil {
 		res.Waits = sampler.stop()
 		sampler = nil

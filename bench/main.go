@@ -2,7 +2,8 @@
 // latency (notify vs poll vs River alone), latency versus offered rate
 // (notify vs River alone, optionally Graphile Worker), drain throughput (1, 2, 4
 // dispatchers; batch 100 vs 1000; beside River's raw InsertMany), the
-// producer cost of the wake trigger, and the dispatcher's memory and CPU.
+// producer cost of the wake trigger, the dispatcher's memory and CPU, and
+// (on request) a long soak through outboxd.
 //
 // It creates a fresh database (outbox_bench_<pid>) on the server that
 // TEST_DATABASE_URL / DATABASE_URL / 127.0.0.1:5432 names, runs every
@@ -13,6 +14,7 @@
 //	go run .                   # the full suite, about eight minutes
 //	go run . -scenarios latency -rate 500 -duration 20s
 //	go run . -scenarios rates -peers graphile
+//	go run . -scenarios soak -soak-rate 800 -soak-duration 20m
 package main
 
 import (
@@ -51,11 +53,16 @@ type Options struct {
 	Rates         []int
 	RatesDuration time.Duration
 	Peers         []string
-	Out           string
-	Repo          string
-	URL           string
-	Keep          bool
-	Verbose       bool
+	// SoakRate, SoakDuration and SoakInterval are the soak scenario's
+	// offered rate, length and sampling interval.
+	SoakRate     int
+	SoakDuration time.Duration
+	SoakInterval time.Duration
+	Out          string
+	Repo         string
+	URL          string
+	Keep         bool
+	Verbose      bool
 }
 
 func main() {
@@ -72,10 +79,13 @@ func run() int {
 		rates       string
 		peers       string
 	)
-	flag.StringVar(&scenarios, "scenarios", "latency,rates,drain,producer,scheduled", "comma-separated scenarios to run: latency, rates (latency versus rate), drain (includes resources), producer, scheduled (claim of due events beside a backlog due tomorrow), ordering (per-key ordering: drains with and without keys, a hot key; not in the default list)")
+	flag.StringVar(&scenarios, "scenarios", "latency,rates,drain,producer,scheduled", "comma-separated scenarios to run: latency, rates (latency versus rate), drain (includes resources), producer, scheduled (claim of due events beside a backlog due tomorrow), ordering (per-key ordering: drains with and without keys, a hot key; not in the default list), soak (a long run through outboxd at -soak-rate; not run by default)")
 	flag.StringVar(&rates, "rates", "200,500,1000,2000,4000,8000", "rates: offered events per second (quick mode: 200,1000)")
 	flag.DurationVar(&o.RatesDuration, "rates-duration", 10*time.Second, "rates: duration per rate and mode (quick mode: 2s)")
 	flag.StringVar(&peers, "peers", "", "rates: peer job queues to run beside the outbox: graphile (Graphile Worker on Node; skipped with a note when Node or the package cannot be installed)")
+	flag.IntVar(&o.SoakRate, "soak-rate", 1000, "soak: offered events per second (not in the default scenarios: -scenarios soak)")
+	flag.DurationVar(&o.SoakDuration, "soak-duration", 2*time.Minute, "soak: how long the producers run")
+	flag.DurationVar(&o.SoakInterval, "soak-interval", 10*time.Second, "soak: sampling interval")
 	flag.IntVar(&o.Rate, "rate", 200, "latency: events per second")
 	flag.DurationVar(&o.Duration, "duration", 10*time.Second, "latency: duration per mode")
 	flag.IntVar(&o.N, "n", 100_000, "drain: backlog size")
@@ -121,9 +131,9 @@ func run() int {
 	o.Scenarios = splitList(scenarios)
 	for _, s := range o.Scenarios {
 		switch s {
-		case "latency", "rates", "drain", "producer", "scheduled", "ordering":
+		case "latency", "rates", "drain", "producer", "scheduled", "ordering", "soak":
 		default:
-			fmt.Fprintf(os.Stderr, "bench: -scenarios: unknown scenario %q (want latency, rates, drain, producer, scheduled, ordering)\n", s)
+			fmt.Fprintf(os.Stderr, "bench: -scenarios: unknown scenario %q (want latency, rates, drain, producer, scheduled, ordering, soak)\n", s)
 			return 2
 		}
 	}
@@ -150,8 +160,9 @@ func run() int {
 		fmt.Fprintln(os.Stderr, "bench: -clients:", err)
 		return 2
 	}
-	if o.Rate < 1 || o.Duration <= 0 || o.RatesDuration <= 0 || o.N < 1 || o.ProducerDuration <= 0 || o.ProducerReps < 1 {
-		fmt.Fprintln(os.Stderr, "bench: -rate, -duration, -rates-duration, -n and -producer-duration must be positive")
+	if o.Rate < 1 || o.Duration <= 0 || o.RatesDuration <= 0 || o.N < 1 || o.ProducerDuration <= 0 || o.ProducerReps < 1 ||
+		o.SoakRate < 1 || o.SoakDuration <= 0 || o.SoakInterval <= 0 {
+		fmt.Fprintln(os.Stderr, "bench: -rate, -duration, -rates-duration, -n, -producer-duration, -soak-rate, -soak-duration and -soak-interval must be positive")
 		return 2
 	}
 	if o.URL == "" {
@@ -199,6 +210,8 @@ func run() int {
 			res.Scheduled, err = runScheduled(ctx, env, &o)
 		case "ordering":
 			res.Ordering, err = runOrdering(ctx, env, &o)
+		case "soak":
+			res.Soak, err = runSoak(ctx, env, &o)
 		}
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "bench: scenario %s: %v\n", s, err)

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"image/color"
 	"math"
+	"os"
 	"path/filepath"
 
 	"gonum.org/v1/plot"
@@ -11,6 +12,7 @@ import (
 	"gonum.org/v1/plot/plotutil"
 	"gonum.org/v1/plot/vg"
 	"gonum.org/v1/plot/vg/draw"
+	"gonum.org/v1/plot/vg/vgimg"
 )
 
 func writePlots(r *Results, dir string) error {
@@ -31,6 +33,11 @@ func writePlots(r *Results, dir string) error {
 	}
 	if r.Ordering != nil {
 		if err := orderingPlot(r.Ordering, filepath.Join(dir, "ordering.png")); err != nil {
+			return err
+		}
+	}
+	if r.Soak != nil && len(r.Soak.Samples) > 0 {
+		if err := soakPlot(r.Soak, filepath.Join(dir, "soak.png")); err != nil {
 			return err
 		}
 	}
@@ -297,4 +304,101 @@ func rateTicks(rates []int) plot.ConstantTicks {
 		t[i] = plot.Tick{Value: float64(r), Label: fmt.Sprint(r)}
 	}
 	return t
+}
+
+// soakPlot draws the soak's samples over time in four panels: latency
+// (handoff p99, end-to-end p50 and p99, log scale), backlog, table sizes
+// and dead tuples (with autovacuum runs of each table marked).
+func soakPlot(s *SoakResults, path string) error {
+	type series struct {
+		name string
+		y    func(SoakSample) float64
+	}
+	// The latency panel (logY) leaves out the final sample: its interval
+	// is the short wait after the producers stopped.
+	panel := func(title, ylabel string, logY bool, ss []series) (*plot.Plot, error) {
+		p := plot.New()
+		p.Title.Text = title
+		p.Y.Label.Text = ylabel
+		p.X.Label.Text = "time (s)"
+		if logY {
+			p.Y.Scale = plot.LogScale{}
+			p.Y.Tick.Marker = plot.LogTicks{Prec: -1}
+		}
+		p.Legend.Top = true
+		p.Legend.Left = true
+		p.Add(plotter.NewGrid())
+		for i, sr := range ss {
+			pts := make(plotter.XYs, 0, len(s.Samples))
+			for _, x := range s.Samples {
+				if logY && x.Final {
+					continue
+				}
+				y := sr.y(x)
+				if logY {
+					y = max(y, 0.01)
+				}
+				pts = append(pts, plotter.XY{X: x.At, Y: y})
+			}
+			l, sc, err := plotter.NewLinePoints(pts)
+			if err != nil {
+				return nil, err
+			}
+			l.Color, sc.Color = plotutil.Color(i), plotutil.Color(i)
+			l.Width = vg.Points(1.5)
+			sc.Shape = draw.CircleGlyph{}
+			sc.Radius = vg.Points(1.5)
+			p.Add(l, sc)
+			p.Legend.Add(sr.name, l)
+		}
+		return p, nil
+	}
+	tbl := func(x SoakSample, t string) SoakTable { return x.Tables[t] }
+	lat, err := panel(fmt.Sprintf("Soak at %d events/s offered: latency per interval", s.Rate), "ms (log scale)", true, []series{
+		{"handoff p99", func(x SoakSample) float64 { return x.HandoffP99 }},
+		{"end-to-end p50", func(x SoakSample) float64 { return x.EndToEndP50 }},
+		{"end-to-end p99", func(x SoakSample) float64 { return x.EndToEndP99 }},
+	})
+	if err != nil {
+		return err
+	}
+	backlog, err := panel("Backlog", "rows", false, []series{
+		{"pending events", func(x SoakSample) float64 { return float64(x.Pending) }},
+		{"available River jobs", func(x SoakSample) float64 { return float64(x.Available) }},
+	})
+	if err != nil {
+		return err
+	}
+	sizes, err := panel("Table size with indexes (pg_total_relation_size)", "MiB", false, []series{
+		{"outbox_event", func(x SoakSample) float64 { return mib(tbl(x, "outbox_event").TotalBytes) }},
+		{"river_job", func(x SoakSample) float64 { return mib(tbl(x, "river_job").TotalBytes) }},
+	})
+	if err != nil {
+		return err
+	}
+	dead, err := panel("Dead tuples (n_dead_tup); autovacuum runs are counted in the report", "rows", false, []series{
+		{"outbox_event", func(x SoakSample) float64 { return float64(tbl(x, "outbox_event").DeadTuples) }},
+		{"river_job", func(x SoakSample) float64 { return float64(tbl(x, "river_job").DeadTuples) }},
+	})
+	if err != nil {
+		return err
+	}
+	plots := [][]*plot.Plot{{lat}, {backlog}, {sizes}, {dead}}
+	const w, h = 9 * vg.Inch, 14 * vg.Inch
+	img := vgimg.New(w, h)
+	dc := draw.New(img)
+	tiles := draw.Tiles{Rows: 4, Cols: 1, PadTop: vg.Points(6), PadBottom: vg.Points(6), PadX: vg.Points(6), PadY: vg.Points(12)}
+	canvases := plot.Align(plots, tiles, dc)
+	for i := range plots {
+		plots[i][0].Draw(canvases[i][0])
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if _, err := (vgimg.PngCanvas{Canvas: img}).WriteTo(f); err != nil {
+		_ = f.Close()
+		return err
+	}
+	return f.Close()
 }

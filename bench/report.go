@@ -16,7 +16,9 @@ type Results struct {
 	Scheduled []ScheduledResult `json:"scheduled,omitempty"`
 	// Ordering is the per-key ordering scenario.
 	Ordering *OrderingResults `json:"ordering,omitempty"`
-	Goals    []Goal           `json:"goals"`
+	// Soak is the long run through outboxd (-scenarios soak).
+	Soak  *SoakResults `json:"soak,omitempty"`
+	Goals []Goal       `json:"goals"`
 }
 
 // Goal is one of issue 5's targets, checked against this run.
@@ -224,6 +226,9 @@ func markdown(r *Results) string {
 		}
 		b.WriteString("\n")
 	}
+	if r.Soak != nil {
+		soakMarkdown(&b, r.Soak)
+	}
 	if len(r.Goals) > 0 {
 		b.WriteString("## Goals\n\n| goal | target | measured | |\n|---|---|---|---|\n")
 		for _, g := range r.Goals {
@@ -249,8 +254,8 @@ func firstWords(s string, n int) string {
 // ratesMarkdown writes the latency-versus-rate table and its attribution.
 func ratesMarkdown(b *strings.Builder, r *RateResults) {
 	fmt.Fprintf(b, "## Latency versus offered rate, %s per rate and mode (ms)\n\n", r.Duration)
-	fmt.Fprintf(b, "Kept up: %s. Latencies count from the producer's commit; a producer that lags its schedule is shown by its lag p99.\n\n", r.KeepUpRule)
-	b.WriteString("| rate (ev/s) | mode | achieved ev/s | producer lag p99 | drain s | kept up | handoff p50 / p99 / p99.9 | end to end p50 / p99 / p99.9 |\n|--:|---|--:|--:|--:|---|--:|--:|\n")
+	fmt.Fprintf(b, "Kept up: %s. Latencies count from the producer's commit; a producer that lags its schedule is shown by its lag p99. CPU: milliseconds of CPU per published event, of the bench process (producers, dispatcher, River workers, the sampling) + the Postgres server's processes, from the first event to the last job's start.\n\n", r.KeepUpRule)
+	b.WriteString("| rate (ev/s) | mode | achieved ev/s | producer lag p99 | drain s | kept up | handoff p50 / p99 / p99.9 | end to end p50 / p99 / p99.9 | CPU ms/event bench + server |\n|--:|---|--:|--:|--:|---|--:|--:|--:|\n")
 	trio := func(s *Summary) string {
 		if s == nil {
 			return "–"
@@ -259,7 +264,7 @@ func ratesMarkdown(b *strings.Builder, r *RateResults) {
 	}
 	for _, run := range r.Runs {
 		if run.Skipped != "" {
-			fmt.Fprintf(b, "| %d | %s | | | | not run: %s | | |\n", run.Rate, run.Mode, run.Skipped)
+			fmt.Fprintf(b, "| %d | %s | | | | not run: %s | | | |\n", run.Rate, run.Mode, run.Skipped)
 			continue
 		}
 		lag := "–"
@@ -278,7 +283,7 @@ func ratesMarkdown(b *strings.Builder, r *RateResults) {
 		if run.NotSent > 0 {
 			achieved += fmt.Sprintf(" (%d not sent)", run.NotSent)
 		}
-		fmt.Fprintf(b, "| %d | %s | %s | %s | %s | %s | %s | %s |\n", run.Rate, run.Mode, achieved, lag, drain, kept, trio(run.Handoff), trio(run.EndToEnd))
+		fmt.Fprintf(b, "| %d | %s | %s | %s | %s | %s | %s | %s | %s |\n", run.Rate, run.Mode, achieved, lag, drain, kept, trio(run.Handoff), trio(run.EndToEnd), run.CPU)
 	}
 	b.WriteString("\n")
 	for _, n := range r.Notes {

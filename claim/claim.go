@@ -790,6 +790,14 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 			}
 		}
 		final = append(final, queued{"mark done", markDoneSQL, []any{jobEvent, jobIDs}})
+		// Announce every queue that got jobs, in the transaction: River's
+		// own notification is rate-limited per client and has no trailing
+		// send (outboxriver.AnnounceSQL).
+		queues := make([]string, len(params))
+		for i, p := range params {
+			queues[i] = p.InsertOpts.Queue
+		}
+		final = append(final, queued{"announce the jobs", outboxriver.AnnounceSQL, []any{outboxriver.AnnouncePayloads(queues)}})
 		res.Jobs = len(params)
 	}
 	if len(unroutable) > 0 {

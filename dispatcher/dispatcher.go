@@ -68,9 +68,6 @@ type Config struct {
 	// BatchTimeout bounds one batch transaction, and each event-by-event
 	// retry (see claim.Handoff.Timeout). 0 means 30 s.
 	BatchTimeout time.Duration
-	// RiverFetchCooldown is the insert NOTIFY debounce of the dispatcher's
-	// insert-only River client. 0 means outboxriver.DefaultFetchCooldown.
-	RiverFetchCooldown time.Duration
 	// ReconnectDelay and PingInterval configure the listener (see package
 	// listener). 0 means 1 s and 2 s.
 	ReconnectDelay time.Duration
@@ -279,7 +276,10 @@ func New(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	rc, err := outboxriver.NewInsertClient(pool, outboxriver.InsertClientConfig{FetchCooldown: cfg.RiverFetchCooldown})
+	// Every batch announces its queues with its final statements
+	// (claim, outboxriver.AnnounceSQL), so River's own notification, a
+	// round trip of its own in every batch, is off.
+	rc, err := outboxriver.NewInsertClient(pool, outboxriver.InsertClientConfig{Silent: true})
 	if err != nil {
 		return nil, fmt.Errorf("dispatcher: River client: %w", err)
 	}

@@ -65,14 +65,29 @@ type InsertClientConfig struct {
 	// FetchCooldown is the insert NOTIFY debounce of the inserting client.
 	// 0 means DefaultFetchCooldown. River's minimum is 1 ms.
 	FetchCooldown time.Duration
+	// Silent switches River's own insert notification off (after the
+	// client's first insert), for a caller that announces every insert
+	// itself in the same transaction (AnnounceSQL), as the dispatcher's
+	// handoff does: River sends its notification in a round trip of its
+	// own, which the handoff saves by sending the announcement with the
+	// statements that end the batch. FetchCooldown is then ignored.
+	Silent bool
 }
+
+// silentCooldown is the FetchCooldown of a Silent client: River sends an
+// insert notification at most once per cooldown, so with a cooldown
+// longer than any process lives only the first insert notifies.
+const silentCooldown = 100 * 365 * 24 * time.Hour
 
 // NewInsertClient returns an insert-only River client (no queues, no
 // workers) for the dispatcher. Its jobs are worked by other clients, so it
 // skips River's check that a worker is registered for the kind.
 func NewInsertClient(pool *pgxpool.Pool, cfg InsertClientConfig) (*river.Client[pgx.Tx], error) {
 	cooldown := cfg.FetchCooldown
-	if cooldown == 0 {
+	switch {
+	case cfg.Silent:
+		cooldown = silentCooldown
+	case cooldown == 0:
 		cooldown = DefaultFetchCooldown
 	}
 	return river.NewClient(riverpgxv5.New(pool), &river.Config{

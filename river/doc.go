@@ -3,7 +3,10 @@
 // The handoff: every handed-off event becomes one River job per routed
 // queue, with args EventArgs (kind "outbox_event"), inserted by the
 // dispatcher's insert-only client (NewInsertClient) in the transaction that
-// marks the event done.
+// marks the event done. That transaction also announces the queues it
+// inserted into (AnnounceSQL), so the workers fetch as soon as it commits;
+// River's own insert notification is rate-limited and the dispatcher's
+// client is Silent.
 //
 // The receivers: a Worker for that kind hands each job's Event to the
 // handler registered (Handlers) for the longest prefix of its type; a job

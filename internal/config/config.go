@@ -178,18 +178,17 @@ func (c *Config) Dispatcher() dispatcher.Config {
 		maxRetries = -1 // dispatcher.Config: negative means "none"
 	}
 	return dispatcher.Config{
-		BatchSize:          c.DispatchBatchSize,
-		BatchBytes:         c.DispatchBatchBytes,
-		Concurrency:        c.DispatchConcurrency,
-		PollInterval:       ms(c.DispatchIntervalMS),
-		ListenDisabled:     !c.ListenEnabled,
-		MaxRetries:         maxRetries,
-		BatchTimeout:       ms(c.DispatchTimeoutMS),
-		RiverFetchCooldown: ms(c.RiverFetchCooldownMS),
-		ReconnectDelay:     ms(c.ListenReconnectDelayMS),
-		PingInterval:       ms(c.ListenPingIntervalMS),
-		SynchronousCommit:  c.DispatchSyncCommit,
-		Linger:             linger(c.DispatchLingerMS),
+		BatchSize:         c.DispatchBatchSize,
+		BatchBytes:        c.DispatchBatchBytes,
+		Concurrency:       c.DispatchConcurrency,
+		PollInterval:      ms(c.DispatchIntervalMS),
+		ListenDisabled:    !c.ListenEnabled,
+		MaxRetries:        maxRetries,
+		BatchTimeout:      ms(c.DispatchTimeoutMS),
+		ReconnectDelay:    ms(c.ListenReconnectDelayMS),
+		PingInterval:      ms(c.ListenPingIntervalMS),
+		SynchronousCommit: c.DispatchSyncCommit,
+		Linger:            linger(c.DispatchLingerMS),
 	}
 }
 

@@ -21,7 +21,7 @@ func TestDefaults(t *testing.T) {
 		t.Fatalf("defaults = %+v", c)
 	}
 	d := c.Dispatcher()
-	if d.PollInterval != time.Second || d.BatchSize != 100 || d.BatchBytes != 4<<20 || d.Concurrency != 10 || d.MaxRetries != 6 || d.ListenDisabled || d.RiverFetchCooldown != time.Millisecond {
+	if d.PollInterval != time.Second || d.BatchSize != 100 || d.BatchBytes != 4<<20 || d.Concurrency != 10 || d.MaxRetries != 6 || d.ListenDisabled {
 		t.Fatalf("dispatcher config = %+v", d)
 	}
 }
