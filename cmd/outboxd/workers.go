@@ -145,6 +145,8 @@ func newWorkers(pool *pgxpool.Pool, cfg *config.Config, routes *route.Table, log
 	}
 	rcfg := outboxriver.QueuesConfig(workers, group.Queues, cfg.WorkerLatency())
 	rcfg.ID = outboxriver.GroupClientID(group.Name)
+	rcfg.JobTimeout = time.Duration(cfg.WorkerJobTimeoutS) * time.Second
+	rcfg.RescueStuckJobsAfter = time.Duration(cfg.WorkerRescueAfterS) * time.Second
 	rcfg.Logger = logger.With(slog.String("component", "river"))
 	client, err := river.NewClient(riverpgxv5.New(pool), rcfg)
 	if err != nil {

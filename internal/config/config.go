@@ -47,6 +47,12 @@ type Config struct {
 
 	RiverFetchCooldownMS     int `envconfig:"OUTBOX_RIVER_FETCH_COOLDOWN_MS" default:"1"`
 	RiverFetchPollIntervalMS int `envconfig:"OUTBOX_RIVER_FETCH_POLL_INTERVAL_MS" default:"100"`
+	// The workers' job timeout and River's rescue of jobs left running by
+	// a dead worker process (River's JobTimeout and RescueStuckJobsAfter).
+	// A job of an ordering key holds its key until it is finalized, so a
+	// worker killed mid-job holds the key until the rescue retries it.
+	WorkerJobTimeoutS  int `envconfig:"OUTBOX_WORKER_JOB_TIMEOUT_S" default:"60"`
+	WorkerRescueAfterS int `envconfig:"OUTBOX_WORKER_RESCUE_AFTER_S" default:"3600"`
 
 	DatabaseMaxConns  int    `envconfig:"OUTBOX_DATABASE_MAX_CONNS" default:"0"`
 	ShutdownTimeoutMS int    `envconfig:"OUTBOX_SHUTDOWN_TIMEOUT_MS" default:"30000"`
@@ -121,6 +127,8 @@ func (c *Config) Validate() error {
 		{"OUTBOX_LISTEN_PING_INTERVAL_MS", c.ListenPingIntervalMS, 100, 600_000},
 		{"OUTBOX_RIVER_FETCH_COOLDOWN_MS", c.RiverFetchCooldownMS, 1, 60_000},
 		{"OUTBOX_RIVER_FETCH_POLL_INTERVAL_MS", c.RiverFetchPollIntervalMS, 1, 600_000},
+		{"OUTBOX_WORKER_JOB_TIMEOUT_S", c.WorkerJobTimeoutS, 1, 86_400},
+		{"OUTBOX_WORKER_RESCUE_AFTER_S", c.WorkerRescueAfterS, 1, 604_800},
 		{"OUTBOX_DATABASE_MAX_CONNS", c.DatabaseMaxConns, 0, 10_000},
 		{"OUTBOX_SHUTDOWN_TIMEOUT_MS", c.ShutdownTimeoutMS, 0, 3_600_000},
 		{"OUTBOX_LISTENER_ALERT_AFTER_MS", c.ListenerAlertAfterMS, 1000, 86_400_000},
@@ -139,6 +147,9 @@ func (c *Config) Validate() error {
 	}
 	if c.RiverFetchPollIntervalMS < c.RiverFetchCooldownMS {
 		errs = append(errs, fmt.Errorf("configuration: OUTBOX_RIVER_FETCH_POLL_INTERVAL_MS=%d must not be shorter than OUTBOX_RIVER_FETCH_COOLDOWN_MS=%d", c.RiverFetchPollIntervalMS, c.RiverFetchCooldownMS))
+	}
+	if c.WorkerRescueAfterS < c.WorkerJobTimeoutS {
+		errs = append(errs, fmt.Errorf("configuration: OUTBOX_WORKER_RESCUE_AFTER_S=%d must not be shorter than OUTBOX_WORKER_JOB_TIMEOUT_S=%d (River rescues only jobs past their timeout)", c.WorkerRescueAfterS, c.WorkerJobTimeoutS))
 	}
 	if c.HTTPAddr != "" {
 		if _, port, err := net.SplitHostPort(c.HTTPAddr); err != nil || port == "" {
