@@ -19,9 +19,7 @@ import (
 // completes an ordered job (one whose metadata carries
 // MetadataOrderingKey) in a short transaction of its own as soon as its
 // worker returns nil, instead of leaving it to River's batch completer,
-// which writes completions every 50 to 250 ms. Under load, when more
-// ordered jobs end at once than it writes at a time, it leaves the rest to
-// River's completer (see orderedCompletion). The ordering trigger of
+// which writes completions every 50 to 250 ms (see orderedCompletion). The ordering trigger of
 // migration 011 runs in that transaction: it releases the next job of the
 // key and sends River's insert notification for its queue, so the next job
 // starts within milliseconds of the previous one's end.
@@ -39,15 +37,14 @@ func NewOrderedCompletionMiddleware() rivertype.WorkerMiddleware {
 }
 
 // orderedCompletion completes at most maxFastCompletions jobs at once,
-// each in its own short transaction. A job that ends while they are all
-// busy is left to River's batch completer, which writes hundreds of
-// completions in one statement: when ordered jobs end faster than single
-// transactions can keep up with, many keys have jobs in flight, the
-// workers have other keys' jobs to run meanwhile, and the batch costs the
-// database far less per job; a key whose jobs run one by one (one hot key,
-// or a quiet system) finds a slot free and goes on within milliseconds.
-// The goroutines are River's workers, each blocked in its own Work until
-// its completion is written: nothing outlives them.
+// each in its own short transaction; a worker whose job ends while all are
+// busy waits for one (its River worker slot stays taken, which slows the
+// fetch of more jobs: backpressure). Ordered jobs are never left to River's
+// batch completer, whose statement would run the release trigger for
+// thousands of jobs at once: measured, such a batch outlived River's 10 s
+// completer timeout and was retried without end. The goroutines are
+// River's workers, each blocked in its own Work until its completion is
+// written: nothing outlives them.
 type orderedCompletion struct {
 	river.WorkerMiddlewareDefaults
 
@@ -88,8 +85,8 @@ func (m *orderedCompletion) Work(ctx context.Context, job *rivertype.JobRow, doI
 	m.slotsOnce.Do(func() { m.slots = make(chan struct{}, maxFastCompletions) })
 	select {
 	case m.slots <- struct{}{}:
-	default:
-		return nil // every slot busy: River's completer completes the job
+	case <-ctx.Done():
+		return nil // River's completer completes the job
 	}
 	defer func() { <-m.slots }()
 	// The work context carries the client and the job's metadata updates;
