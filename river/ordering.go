@@ -57,12 +57,6 @@ type orderedCompletion struct {
 // middleware writes at once.
 const maxFastCompletions = 4
 
-type completion struct {
-	ctx    context.Context
-	client *river.Client[pgx.Tx]
-	job    *rivertype.JobRow
-}
-
 // anyArgs stands for the args of any job in river.JobCompleteTx: it
 // decodes from any JSON and names no kind.
 type anyArgs struct{}
@@ -91,47 +85,39 @@ func (m *orderedCompletion) Work(ctx context.Context, job *rivertype.JobRow, doI
 	defer func() { <-m.slots }()
 	// The work context carries the client and the job's metadata updates;
 	// its cancellation (the job's timeout) must not cut the completion.
-	c := &completion{ctx: context.WithoutCancel(ctx), client: client, job: job}
-	if werr := completeNow([]*completion{c}); werr != nil && ctx.Err() == nil {
+	if werr := completeNow(context.WithoutCancel(ctx), client, job); werr != nil && ctx.Err() == nil {
 		slog.Default().WarnContext(ctx, "outbox: completing an ordered job at once failed; River's completer completes it",
 			slog.Int64("job_id", job.ID), slog.String("error", werr.Error()))
 	}
 	return nil
 }
 
-// completeNow completes the jobs of batch in one transaction (on the
-// first one's client). A job its worker completed already is skipped.
-func completeNow(batch []*completion) error {
-	if len(batch) == 0 {
-		return nil
-	}
-	first := batch[0]
-	ctx, cancel := context.WithTimeout(first.ctx, 10*time.Second)
+// completeNow completes job in a transaction of its own on client. A job
+// its worker completed already is left as it is. ctx must carry the work
+// context's values (the client and the job's metadata updates, which
+// river.JobCompleteTx writes with the completion).
+func completeNow(ctx context.Context, client *river.Client[pgx.Tx], job *rivertype.JobRow) error {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	execTx, err := first.client.Driver().GetExecutor().Begin(ctx)
+	execTx, err := client.Driver().GetExecutor().Begin(ctx)
 	if err != nil {
 		return err
 	}
-	tx := first.client.Driver().UnwrapTx(execTx)
+	tx := client.Driver().UnwrapTx(execTx)
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	// The commit need not wait for its WAL flush: a job that the trigger
 	// releases can only start after River's fetch of it commits, and that
 	// commit (synchronous, as River's are) flushes the WAL up to and
-	// including this one. A crash before that loses the completions and
-	// the releases together: the jobs run again (River's at-least-once, as
-	// when a worker dies before River's completer writes), and the next
-	// jobs of their keys have not started. It also holds the NOTIFY
-	// queue's lock, which every commit that notifies takes, for no flush.
+	// including this one. A crash before that loses the completion and the
+	// release together: the job runs again (River's at-least-once, as when
+	// a worker dies before River's completer writes), and the next job of
+	// its key has not started. It also holds the NOTIFY queue's lock,
+	// which every commit that notifies takes, for no flush.
 	if _, err := tx.Exec(ctx, `SET LOCAL synchronous_commit = off`); err != nil {
 		return err
 	}
-	for _, c := range batch {
-		jctx, jcancel := context.WithTimeout(c.ctx, 10*time.Second)
-		_, err := river.JobCompleteTx[*riverpgxv5.Driver](jctx, tx, &river.Job[anyArgs]{JobRow: c.job})
-		jcancel()
-		if err != nil && !errors.Is(err, rivertype.ErrNotFound) {
-			return err
-		}
+	if _, err := river.JobCompleteTx[*riverpgxv5.Driver](ctx, tx, &river.Job[anyArgs]{JobRow: job}); err != nil && !errors.Is(err, rivertype.ErrNotFound) {
+		return err
 	}
 	return tx.Commit(ctx)
 }
