@@ -706,6 +706,9 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		// stopped holds the ordering keys whose event in this batch was
 		// failed at once (broken or unroutable): their later events wait.
 		stopped map[orderingScope]bool
+		// lockOrder, when the batch has ordered jobs, says which key each
+		// job of params locks (see insertOrder).
+		lockOrder []jobLock
 	)
 	events = inKeyOrder(events)
 	for i := range events {
@@ -750,12 +753,28 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		for _, p := range outboxriver.JobParams(rule, args) {
 			params = append(params, p)
 			jobEvent = append(jobEvent, e.ID)
+			if keyed {
+				if lockOrder == nil {
+					lockOrder = make([]jobLock, len(params)-1, cap(params))
+				}
+				lockOrder = append(lockOrder, jobLock{keyed: true, tenant: scope.tenant, key: scope.key, queue: p.InsertOpts.Queue, position: e.OrderingPosition})
+			} else if lockOrder != nil {
+				lockOrder = append(lockOrder, jobLock{})
+			}
 		}
 		res.Done++
 		res.Handed = append(res.Handed, Handed{ID: e.ID, Type: e.Type, Route: rule.Prefix, CreatedAt: e.CreatedAt})
 	}
 	if len(params) > 0 {
-		inserted, err := h.River.InsertManyTx(ctx, tx, params)
+		order := insertOrder(lockOrder)
+		toInsert := params
+		if order != nil {
+			toInsert = make([]river.InsertManyParams, len(params))
+			for i, j := range order {
+				toInsert[i] = params[j]
+			}
+		}
+		inserted, err := h.River.InsertManyTx(ctx, tx, toInsert)
 		if err != nil {
 			return res, nil, fmt.Errorf("insert River jobs: %w", err)
 		}
@@ -764,7 +783,11 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		}
 		jobIDs := make([]int64, len(inserted))
 		for i, r := range inserted {
-			jobIDs[i] = r.Job.ID
+			if order != nil {
+				jobIDs[order[i]] = r.Job.ID
+			} else {
+				jobIDs[i] = r.Job.ID
+			}
 		}
 		final = append(final, queued{"mark done", markDoneSQL, []any{jobEvent, jobIDs}})
 		// Announce every queue that got jobs, in the transaction: River's
@@ -799,6 +822,44 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 	}
 	h.alertBroken(ctx, broken)
 	return res, unroutable, nil
+}
+
+// jobLock is the key an ordered job locks when it is inserted: the
+// ordering trigger locks the row of its (tenant, key, queue).
+type jobLock struct {
+	keyed              bool
+	tenant, key, queue string
+	position           int64
+}
+
+// insertOrder returns the order in which to insert the jobs whose locks
+// are given (indexes into them), or nil to keep theirs: jobs without a key
+// first, then the ordered ones by (tenant, key, queue) and, within a key,
+// by position. The ordering triggers lock each key's row in the order of
+// the insert, and the completion of ordered jobs (outboxriver's
+// middleware) locks its keys in the same order, so that a batch and a
+// completion that share two keys queue behind each other instead of
+// deadlocking (Postgres would break the cycle after deadlock_timeout, a
+// second in which both keys stand still).
+func insertOrder(locks []jobLock) []int {
+	if locks == nil {
+		return nil
+	}
+	order := make([]int, len(locks))
+	for i := range order {
+		order[i] = i
+	}
+	slices.SortStableFunc(order, func(a, b int) int {
+		x, y := locks[a], locks[b]
+		if x.keyed != y.keyed {
+			if !x.keyed {
+				return -1
+			}
+			return 1
+		}
+		return cmp.Or(cmp.Compare(x.tenant, y.tenant), cmp.Compare(x.key, y.key), cmp.Compare(x.queue, y.queue), cmp.Compare(x.position, y.position))
+	})
+	return order
 }
 
 // orderingScope is an ordering key with its tenant ("" for none).

@@ -2,14 +2,19 @@ package outboxriver
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
 	"log/slog"
+	"slices"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
@@ -17,12 +22,12 @@ import (
 
 // NewOrderedCompletionMiddleware returns River worker middleware that
 // completes an ordered job (one whose metadata carries
-// MetadataOrderingKey) in a short transaction of its own as soon as its
-// worker returns nil, instead of leaving it to River's batch completer,
-// which writes completions every 50 to 250 ms (see orderedCompletion). The ordering trigger of
-// migration 011 runs in that transaction: it releases the next job of the
-// key and sends River's insert notification for its queue, so the next job
-// starts within milliseconds of the previous one's end.
+// MetadataOrderingKey) as soon as its worker returns nil, instead of
+// leaving it to River's batch completer, which writes completions every 50
+// to 250 ms (see orderedCompletion). The ordering trigger of migration 011
+// runs in that transaction: it releases the next job of the key and sends
+// River's insert notification for its queue, so the next job starts
+// within milliseconds of the previous one's end.
 //
 // The order itself does not depend on it: without this middleware the
 // jobs of a key still run one at a time and in order, only with River's
@@ -36,26 +41,63 @@ func NewOrderedCompletionMiddleware() rivertype.WorkerMiddleware {
 	return &orderedCompletion{}
 }
 
-// orderedCompletion completes at most maxFastCompletions jobs at once,
-// each in its own short transaction; a worker whose job ends while all are
-// busy waits for one (its River worker slot stays taken, which slows the
-// fetch of more jobs: backpressure). Ordered jobs are never left to River's
-// batch completer, whose statement would run the release trigger for
-// thousands of jobs at once: measured, such a batch outlived River's 10 s
-// completer timeout and was retried without end. The goroutines are
-// River's workers, each blocked in its own Work until its completion is
-// written: nothing outlives them.
+// orderedCompletion group-commits: a job that ends while no transaction
+// of the middleware is open is completed at once in a transaction of its
+// own; jobs that end while maxFastCompletions transactions are open queue,
+// and the next transaction to start completes all of them (at most
+// maxGroup) together. An idle worker thus pays one short transaction, and
+// a busy one shares a commit, and the release notifications of a queue
+// (Postgres sends identical ones of a transaction once), with the jobs
+// that ended beside it. A transaction completes its jobs in the order of
+// their keys (tenant, key, queue), the order in which the handoff
+// inserts them (package claim): a handoff batch and a completion that
+// share two keys queue behind each other instead of deadlocking.
+//
+// Ordered jobs are never left to River's batch completer, whose statement
+// would run the release trigger for thousands of jobs at once: measured,
+// such a batch outlived River's 10 s completer timeout and was retried
+// without end. The goroutines are River's workers, each blocked in its own
+// Work until its completion is written (its River worker slot stays
+// taken, which slows the fetch of more jobs: backpressure); the worker
+// that writes a group is one of them. Nothing outlives them.
 type orderedCompletion struct {
 	river.WorkerMiddlewareDefaults
 
-	// slots holds a token per completion being written.
-	slotsOnce sync.Once
-	slots     chan struct{}
+	mu sync.Mutex
+	// queue holds the completions no transaction has taken yet.
+	queue []*completion
+	// writers counts the transactions open or about to start.
+	writers int
+	// perJob is set once outbox_ordering_complete is found missing (a
+	// schema before migration 012): each job is then completed with
+	// river.JobCompleteTx.
+	perJob atomic.Bool
 }
 
-// maxFastCompletions is how many completions of ordered jobs one
-// middleware writes at once.
-const maxFastCompletions = 4
+// completion is one ordered job whose worker returned nil.
+type completion struct {
+	// ctx is the work context without its cancellation: it carries the
+	// client and the job's metadata updates (river.JobCompleteTx).
+	ctx    context.Context
+	client *river.Client[pgx.Tx]
+	job    *rivertype.JobRow
+	scope  jobScope
+	// done receives the outcome once; lead asks the completion's worker
+	// to write the next group.
+	done chan error
+	lead chan struct{}
+}
+
+// jobScope is the key whose row an ordered job's completion locks.
+type jobScope struct{ tenant, key, queue string }
+
+const (
+	// maxFastCompletions is how many completion transactions one
+	// middleware has open at once.
+	maxFastCompletions = 4
+	// maxGroup is how many jobs one transaction completes at most.
+	maxGroup = 64
+)
 
 // anyArgs stands for the args of any job in river.JobCompleteTx: it
 // decodes from any JSON and names no kind.
@@ -69,36 +111,100 @@ func (m *orderedCompletion) Work(ctx context.Context, job *rivertype.JobRow, doI
 	if err != nil {
 		return err
 	}
-	if !isOrdered(job) {
+	scope, ordered := orderedScope(job)
+	if !ordered {
 		return nil
 	}
 	client, cerr := river.ClientFromContextSafely[pgx.Tx](ctx)
 	if cerr != nil {
 		return nil // not a pgx client: River's completer completes the job
 	}
-	m.slotsOnce.Do(func() { m.slots = make(chan struct{}, maxFastCompletions) })
-	select {
-	case m.slots <- struct{}{}:
-	case <-ctx.Done():
-		return nil // River's completer completes the job
+	c := &completion{
+		ctx: context.WithoutCancel(ctx), client: client, job: job, scope: scope,
+		done: make(chan error, 1), lead: make(chan struct{}, 1),
 	}
-	defer func() { <-m.slots }()
-	// The work context carries the client and the job's metadata updates;
-	// its cancellation (the job's timeout) must not cut the completion.
-	if werr := completeNow(context.WithoutCancel(ctx), client, job); werr != nil && ctx.Err() == nil {
-		slog.Default().WarnContext(ctx, "outbox: completing an ordered job at once failed; River's completer completes it",
-			slog.Int64("job_id", job.ID), slog.String("error", werr.Error()))
+	m.mu.Lock()
+	m.queue = append(m.queue, c)
+	write := m.writers < maxFastCompletions
+	if write {
+		m.writers++
 	}
-	return nil
+	m.mu.Unlock()
+	if write {
+		m.writeGroup()
+	}
+	for {
+		select {
+		case werr := <-c.done:
+			// A place handed to c while it was queued, before another
+			// writer took it, is still c's to use or give up.
+			select {
+			case <-c.lead:
+				m.writeGroup()
+			default:
+			}
+			if werr != nil {
+				slog.Default().WarnContext(ctx, "outbox: completing an ordered job at once failed; River's completer completes it",
+					slog.Int64("job_id", job.ID), slog.String("error", werr.Error()))
+			}
+			return nil
+		case <-c.lead:
+			m.writeGroup()
+		}
+	}
 }
 
-// completeNow completes job in a transaction of its own on client. A job
-// its worker completed already is left as it is. ctx must carry the work
-// context's values (the client and the job's metadata updates, which
-// river.JobCompleteTx writes with the completion).
-func completeNow(ctx context.Context, client *river.Client[pgx.Tx], job *rivertype.JobRow) error {
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+// writeGroup completes the queued completions (at most maxGroup) in one
+// transaction, then hands its writer's place to the first completion
+// still queued, or gives it up. The caller holds a writer's place.
+func (m *orderedCompletion) writeGroup() {
+	m.mu.Lock()
+	n := min(len(m.queue), maxGroup)
+	group := slices.Clone(m.queue[:n])
+	m.queue = slices.Delete(m.queue, 0, n)
+	m.mu.Unlock()
+
+	if len(group) > 0 {
+		slices.SortStableFunc(group, func(a, b *completion) int {
+			return cmp.Or(cmp.Compare(a.scope.tenant, b.scope.tenant), cmp.Compare(a.scope.key, b.scope.key), cmp.Compare(a.scope.queue, b.scope.queue))
+		})
+		err := m.completeGroup(group)
+		if err != nil && len(group) > 1 {
+			// One job's trouble (a deadlock with a hand-made change, a
+			// timeout) must not fail the others: each goes alone.
+			for _, c := range group {
+				c.done <- m.completeGroup([]*completion{c})
+			}
+		} else {
+			for _, c := range group {
+				c.done <- err
+			}
+		}
+	}
+
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.queue) > 0 {
+		select {
+		case m.queue[0].lead <- struct{}{}:
+			return // the place goes to it
+		default:
+			// It holds a place already (handed to it, not yet used): it
+			// takes the queue, and this place is given up.
+		}
+	}
+	m.writers--
+}
+
+// completeGroup completes the jobs of group, in its order, in one
+// transaction on the first one's client (every job of a middleware comes
+// from one client), with one call of outbox_ordering_complete (migration
+// 012), or, against an older schema, one River completion per job. A job
+// its worker completed already is left as it is.
+func (m *orderedCompletion) completeGroup(group []*completion) error {
+	ctx, cancel := context.WithTimeout(group[0].ctx, 10*time.Second)
 	defer cancel()
+	client := group[0].client
 	execTx, err := client.Driver().GetExecutor().Begin(ctx)
 	if err != nil {
 		return err
@@ -108,28 +214,66 @@ func completeNow(ctx context.Context, client *river.Client[pgx.Tx], job *riverty
 	// The commit need not wait for its WAL flush: a job that the trigger
 	// releases can only start after River's fetch of it commits, and that
 	// commit (synchronous, as River's are) flushes the WAL up to and
-	// including this one. A crash before that loses the completion and the
-	// release together: the job runs again (River's at-least-once, as when
-	// a worker dies before River's completer writes), and the next job of
-	// its key has not started. It also holds the NOTIFY queue's lock,
-	// which every commit that notifies takes, for no flush.
+	// including this one. A crash before that loses the completions and
+	// the releases together: the jobs run again (River's at-least-once, as
+	// when a worker dies before River's completer writes), and the next
+	// jobs of their keys have not started. It also holds the NOTIFY
+	// queue's lock, which every commit that notifies takes, for no flush.
 	if _, err := tx.Exec(ctx, `SET LOCAL synchronous_commit = off`); err != nil {
 		return err
 	}
-	if _, err := river.JobCompleteTx[*riverpgxv5.Driver](ctx, tx, &river.Job[anyArgs]{JobRow: job}); err != nil && !errors.Is(err, rivertype.ErrNotFound) {
-		return err
+	if !m.perJob.Load() {
+		ids := make([]int64, len(group))
+		for i, c := range group {
+			ids[i] = c.job.ID
+		}
+		// River's completer, which runs after the middleware, still
+		// merges the work's metadata updates into the finalized job.
+		_, err := tx.Exec(ctx, `SELECT outbox_ordering_complete($1)`, ids)
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "42883" && strings.Contains(pgErr.Message, "outbox_ordering_complete") {
+			m.perJob.Store(true) // a schema before 012
+			_ = tx.Rollback(ctx)
+			return m.completeGroup(group)
+		}
+		if err != nil {
+			return err
+		}
+		return tx.Commit(ctx)
+	}
+	for _, c := range group {
+		jctx, jcancel := context.WithDeadline(c.ctx, deadlineOf(ctx))
+		_, err := river.JobCompleteTx[*riverpgxv5.Driver](jctx, tx, &river.Job[anyArgs]{JobRow: c.job})
+		jcancel()
+		if err != nil && !errors.Is(err, rivertype.ErrNotFound) {
+			return err
+		}
 	}
 	return tx.Commit(ctx)
 }
 
-// isOrdered reports whether job carries an ordering key in its metadata
-// (MetadataOrderingKey).
-func isOrdered(job *rivertype.JobRow) bool {
+// deadlineOf returns ctx's deadline (completeGroup's contexts have one).
+func deadlineOf(ctx context.Context) time.Time {
+	d, _ := ctx.Deadline()
+	return d
+}
+
+// orderedScope reports whether job carries an ordering key in its
+// metadata (MetadataOrderingKey), and the key its completion locks.
+func orderedScope(job *rivertype.JobRow) (jobScope, bool) {
 	if job == nil || !bytes.Contains(job.Metadata, []byte(`"`+MetadataOrderingKey+`"`)) {
-		return false
+		return jobScope{}, false
 	}
 	var m struct {
-		Key *string `json:"outbox_ordering_key"`
+		Tenant *string `json:"outbox_tenant_id"`
+		Key    *string `json:"outbox_ordering_key"`
 	}
-	return json.Unmarshal(job.Metadata, &m) == nil && m.Key != nil
+	if json.Unmarshal(job.Metadata, &m) != nil || m.Key == nil {
+		return jobScope{}, false
+	}
+	s := jobScope{key: *m.Key, queue: job.Queue}
+	if m.Tenant != nil {
+		s.tenant = *m.Tenant
+	}
+	return s, true
 }
