@@ -26,6 +26,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -58,11 +59,15 @@ type Options struct {
 	SoakRate     int
 	SoakDuration time.Duration
 	SoakInterval time.Duration
-	Out          string
-	Repo         string
-	URL          string
-	Keep         bool
-	Verbose      bool
+	// OrderingModes selects the ordering scenario's modes (none: all);
+	// OrderingKeys overrides its number of keys (0: 10,000, quick 1,000).
+	OrderingModes []string
+	OrderingKeys  int
+	Out           string
+	Repo          string
+	URL           string
+	Keep          bool
+	Verbose       bool
 }
 
 func main() {
@@ -86,6 +91,9 @@ func run() int {
 	flag.IntVar(&o.SoakRate, "soak-rate", 1000, "soak: offered events per second (not in the default scenarios: -scenarios soak)")
 	flag.DurationVar(&o.SoakDuration, "soak-duration", 2*time.Minute, "soak: how long the producers run")
 	flag.DurationVar(&o.SoakInterval, "soak-interval", 10*time.Second, "soak: sampling interval")
+	var orderingModes string
+	flag.StringVar(&orderingModes, "ordering-modes", "", "ordering: comma-separated subset of the modes to run: notriggers, unordered, keys, hot (default all; the ratio needs unordered)")
+	flag.IntVar(&o.OrderingKeys, "ordering-keys", 0, "ordering: number of keys of the many-keys mode and events of the hot key (default 10000, quick 1000)")
 	flag.IntVar(&o.Rate, "rate", 200, "latency: events per second")
 	flag.DurationVar(&o.Duration, "duration", 10*time.Second, "latency: duration per mode")
 	flag.IntVar(&o.N, "n", 100_000, "drain: backlog size")
@@ -103,6 +111,15 @@ func run() int {
 	flag.BoolVar(&o.Keep, "keep", false, "keep the bench database (for EXPLAIN and friends) instead of dropping it")
 	flag.BoolVar(&o.Verbose, "v", false, "log the dispatchers' info messages")
 	flag.Parse()
+	for _, m := range strings.Split(orderingModes, ",") {
+		if m = strings.TrimSpace(m); m != "" {
+			if !slices.Contains([]string{"notriggers", "unordered", "keys", "hot"}, m) {
+				fmt.Fprintf(os.Stderr, "bench: -ordering-modes: unknown mode %q (want notriggers, unordered, keys or hot)\n", m)
+				return 2
+			}
+			o.OrderingModes = append(o.OrderingModes, m)
+		}
+	}
 
 	set := map[string]bool{}
 	flag.Visit(func(f *flag.Flag) { set[f.Name] = true })

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -108,20 +109,27 @@ func runOrdering(ctx context.Context, e *env, o *Options) (*OrderingResults, err
 	if o.Quick {
 		res.Keys, res.Hot = 1_000, 1_000
 	}
+	if o.OrderingKeys > 0 {
+		res.Keys, res.Hot = o.OrderingKeys, o.OrderingKeys
+	}
 	n := res.Keys * res.PerKey
 	specs := []struct {
+		name       string // for -ordering-modes
 		mode       string
 		events     int
 		keys       int // 0: no ordering key
 		noTriggers bool
 	}{
-		{ordNoTriggers, n, 0, true},
-		{ordUnordered, n, 0, false},
-		{ordKeys, n, res.Keys, false},
-		{ordHot, res.Hot, 1, false},
+		{"notriggers", ordNoTriggers, n, 0, true},
+		{"unordered", ordUnordered, n, 0, false},
+		{"keys", ordKeys, n, res.Keys, false},
+		{"hot", ordHot, res.Hot, 1, false},
 	}
 	var base float64
 	for i, s := range specs {
+		if len(o.OrderingModes) > 0 && !slices.Contains(o.OrderingModes, s.name) {
+			continue
+		}
 		r, w, err := orderingRun(ctx, e, fmt.Sprintf("ordering_%d", i), s.events, s.keys, s.noTriggers, res.Workers)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", s.mode, err)
