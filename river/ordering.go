@@ -196,50 +196,42 @@ func (m *orderedCompletion) writeGroup() {
 	m.writers--
 }
 
-// completeGroup completes the jobs of group, in its order, in one
-// transaction on the first one's client (every job of a middleware comes
-// from one client), with one call of outbox_ordering_complete (migration
-// 012), or, against an older schema, one River completion per job. A job
-// its worker completed already is left as it is.
+// completeGroup completes the jobs of group, in its order (every job of a
+// middleware comes from one client, the first one's): with one call of
+// outbox_ordering_complete (migration 012), a transaction of its own in
+// one round trip, or, against an older schema, with one River completion
+// statement per job in one transaction. A job its worker completed
+// already is left as it is.
 func (m *orderedCompletion) completeGroup(group []*completion) error {
 	ctx, cancel := context.WithTimeout(group[0].ctx, 10*time.Second)
 	defer cancel()
 	client := group[0].client
+	if !m.perJob.Load() {
+		ids := make([]int64, len(group))
+		for i, c := range group {
+			ids[i] = c.job.ID
+		}
+		// The function commits without waiting for the WAL flush (see its
+		// comment in migration 012). River's completer, which runs after
+		// the middleware, still merges the work's metadata updates into
+		// the finalized job.
+		err := client.Driver().GetExecutor().Exec(ctx, `SELECT outbox_ordering_complete($1)`, ids)
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "42883" && strings.Contains(pgErr.Message, "outbox_ordering_complete") {
+			m.perJob.Store(true) // a schema before 012
+			return m.completeGroup(group)
+		}
+		return err
+	}
 	execTx, err := client.Driver().GetExecutor().Begin(ctx)
 	if err != nil {
 		return err
 	}
 	tx := client.Driver().UnwrapTx(execTx)
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	// The commit need not wait for its WAL flush: a job that the trigger
-	// releases can only start after River's fetch of it commits, and that
-	// commit (synchronous, as River's are) flushes the WAL up to and
-	// including this one. A crash before that loses the completions and
-	// the releases together: the jobs run again (River's at-least-once, as
-	// when a worker dies before River's completer writes), and the next
-	// jobs of their keys have not started. It also holds the NOTIFY
-	// queue's lock, which every commit that notifies takes, for no flush.
+	// As outbox_ordering_complete's: no wait for the WAL flush.
 	if _, err := tx.Exec(ctx, `SET LOCAL synchronous_commit = off`); err != nil {
 		return err
-	}
-	if !m.perJob.Load() {
-		ids := make([]int64, len(group))
-		for i, c := range group {
-			ids[i] = c.job.ID
-		}
-		// River's completer, which runs after the middleware, still
-		// merges the work's metadata updates into the finalized job.
-		_, err := tx.Exec(ctx, `SELECT outbox_ordering_complete($1)`, ids)
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == "42883" && strings.Contains(pgErr.Message, "outbox_ordering_complete") {
-			m.perJob.Store(true) // a schema before 012
-			_ = tx.Rollback(ctx)
-			return m.completeGroup(group)
-		}
-		if err != nil {
-			return err
-		}
-		return tx.Commit(ctx)
 	}
 	for _, c := range group {
 		jctx, jcancel := context.WithDeadline(c.ctx, deadlineOf(ctx))

@@ -146,12 +146,23 @@ $$;
 -- is the transaction's time. A job that is not running is left as it is;
 -- the work's metadata updates (River's RecordOutput) are merged by River's
 -- completer afterwards, which writes them to a finalized job too.
+--
+-- Its transaction commits without waiting for the WAL flush
+-- (synchronous_commit off, until the transaction ends): a job that the
+-- trigger releases can only start after River's fetch of it commits, and
+-- that commit (synchronous, as River's are) flushes the WAL up to and
+-- including this one. A crash before that loses the completions and the
+-- releases together: the jobs run again (River's at-least-once, as when a
+-- worker dies before River's completer writes), and the next jobs of their
+-- keys have not started. Called on its own (autocommit), it is the whole
+-- transaction: one round trip.
 CREATE OR REPLACE FUNCTION outbox_ordering_complete(p_ids bigint[]) RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
     v_id bigint;
     v_n  integer := 0;
 BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
     FOREACH v_id IN ARRAY p_ids LOOP
         UPDATE river_job SET state = 'completed', finalized_at = now() WHERE id = v_id AND state = 'running';
         IF FOUND THEN
