@@ -137,6 +137,10 @@ func runOrdering(ctx context.Context, e *env, o *Options) (*OrderingResults, err
 		r.Mode = s.mode
 		if s.mode == ordUnordered {
 			base = r.PerSecond
+			// The modes before it get their ratio now.
+			for i := range res.Runs {
+				res.Runs[i].Ratio = res.Runs[i].PerSecond / base
+			}
 		}
 		if base > 0 {
 			r.Ratio = r.PerSecond / base

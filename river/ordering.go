@@ -93,8 +93,12 @@ type jobScope struct{ tenant, key, queue string }
 
 const (
 	// maxFastCompletions is how many completion transactions one
-	// middleware has open at once.
-	maxFastCompletions = 4
+	// middleware has open at once. Two, not more: fewer writers make
+	// larger groups (measured, 10,000 ordered jobs of 1,000 keys with 50
+	// workers: 0.43-0.44 of the unordered rate with one or two writers,
+	// 0.34-0.38 with four), and a second writer keeps completions going
+	// while the first waits for a key that a handoff holds.
+	maxFastCompletions = 2
 	// maxGroup is how many jobs one transaction completes at most.
 	maxGroup = 64
 )
