@@ -92,6 +92,8 @@ func TestDeepPayloadIsDeadLetteredAndDoesNotStall(t *testing.T) {
 	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE (args->>'event_id')::bigint = $1`, poison); n != 0 {
 		t.Fatalf("deep row got %d River jobs", n)
 	}
+	// The alert follows the commit that dead-letters the row.
+	pgtest.WaitFor(t, 30*time.Second, "the dead-letter alert", func() bool { return len(al.byReason(alert.DeadLetter)) > 0 })
 	if got := al.byReason(alert.DeadLetter); len(got) != 1 || got[0].EventID != poison {
 		t.Fatalf("dead-letter alerts %+v, want one for event %d", got, poison)
 	}
