@@ -43,11 +43,7 @@ func (w *burstWorker) Work(ctx context.Context, job *river.Job[stepArgs]) error 
 			return ctx.Err()
 		}
 	}
-	end := time.Now()
-	w.log.mu.Lock()
-	defer w.log.mu.Unlock()
-	w.log.runs[job.Args.Key] = append(w.log.runs[job.Args.Key], stepRun{seq: job.Args.Seq, start: start, end: end})
-	w.log.n++
+	w.log.record(job.Args, start, time.Now())
 	return nil
 }
 

@@ -47,12 +47,16 @@ type stepWorker struct {
 func (w *stepWorker) Work(ctx context.Context, job *river.Job[stepArgs]) error {
 	start := time.Now()
 	time.Sleep(2 * time.Millisecond)
-	end := time.Now()
-	w.log.mu.Lock()
-	defer w.log.mu.Unlock()
-	w.log.runs[job.Args.Key] = append(w.log.runs[job.Args.Key], stepRun{seq: job.Args.Seq, start: start, end: end})
-	w.log.n++
+	w.log.record(job.Args, start, time.Now())
 	return nil
+}
+
+// record adds a run of the job with args a.
+func (l *stepLog) record(a stepArgs, start, end time.Time) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.runs[a.Key] = append(l.runs[a.Key], stepRun{seq: a.Seq, start: start, end: end})
+	l.n++
 }
 
 // TestOrderedJobsRunOneAtATimeInOrder: events of five keys, published
