@@ -234,7 +234,7 @@ func TestConcurrentProducersOfAKeySerializeInCommitOrder(t *testing.T) {
 		t.Fatal(err)
 	}
 	p1, p2, p3 := positionOf(t, s.Pool, f1.ID), positionOf(t, s.Pool, f2.ID), positionOf(t, s.Pool, s1.ID)
-	if !(p1 < p2 && p2 < p3) {
+	if p1 >= p2 || p2 >= p3 {
 		t.Errorf("positions: first tx %d, %d; second tx %d; want the second's after both of the first's", p1, p2, p3)
 	}
 

@@ -3,6 +3,7 @@ package admin
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"slices"
@@ -202,7 +203,7 @@ func check(sel Selection, actor string, rules filter.Rules) (Selection, error) {
 	}
 	f := sel.filter()
 	if err := f.Check(rules); err != nil {
-		if fe, ok := err.(*filter.Error); ok {
+		if fe, ok := errors.AsType[*filter.Error](err); ok {
 			return sel, &SelectionError{Flag: fe.Flag, Msg: fe.Msg}
 		}
 		return sel, err

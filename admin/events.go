@@ -111,7 +111,7 @@ func CheckEventList(opts EventListOpts) (EventListOpts, error) {
 			continue
 		}
 		if err := filter.CheckText(flag, v); err != nil {
-			if fe, ok := err.(*filter.Error); ok {
+			if fe, ok := errors.AsType[*filter.Error](err); ok {
 				return opts, &SelectionError{Flag: fe.Flag, Msg: fe.Msg}
 			}
 			return opts, err
@@ -177,13 +177,13 @@ func (c *Client) EventOfJob(ctx context.Context, jobID int64) (int64, error) {
 	var id *int64
 	err := c.pool.QueryRow(ctx, eventOfJobSQL, jobID, outboxriver.Kind).Scan(&id)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return 0, fmt.Errorf("River job %d: no such job (River deletes finalized jobs after its retention period): %w", jobID, ErrNotFound)
+		return 0, fmt.Errorf("job %d: no such job in River (River deletes finalized jobs after its retention period): %w", jobID, ErrNotFound)
 	}
 	if err != nil {
 		return 0, c.explain(ctx, fmt.Errorf("read River job %d: %w", jobID, err))
 	}
 	if id == nil {
-		return 0, fmt.Errorf("River job %d carries no outbox event (neither metadata nor envelope args): %w", jobID, ErrNotFound)
+		return 0, fmt.Errorf("job %d of River carries no outbox event (neither metadata nor envelope args): %w", jobID, ErrNotFound)
 	}
 	return *id, nil
 }

@@ -63,13 +63,15 @@ func ExampleClient_Requeue() {
 	sel := admin.Selection{TypePrefix: "mail.", Tenant: "acme", Since: &since}
 	dry, err := cl.Requeue(ctx, sel, admin.RequeueOpts{Actor: "alice", DryRun: true})
 	if err != nil {
-		log.Fatal(err)
+		log.Print(err)
+		return
 	}
 	fmt.Printf("%d events would be requeued, %d beyond the limit\n", dry.Affected, dry.Remaining)
 
 	res, err := cl.Requeue(ctx, sel, admin.RequeueOpts{Actor: "alice"})
 	if err != nil {
-		log.Fatal(err)
+		log.Print(err)
+		return
 	}
 	fmt.Printf("requeued %v, audit #%d\n", res.IDs, res.AuditID)
 }
@@ -85,7 +87,8 @@ func ExampleClient_Cancel() {
 
 	res, err := admin.New(pool).Cancel(ctx, admin.Selection{IDs: []int64{41, 42}}, admin.CancelOpts{Actor: "alice"})
 	if err != nil {
-		log.Fatal(err)
+		log.Print(err)
+		return
 	}
 	fmt.Println(res.Affected, res.Skipped)
 }
@@ -100,15 +103,18 @@ func ExampleClient_Stats() {
 	defer pool.Close()
 	routes, err := route.Load(os.Getenv("OUTBOX_ROUTES_FILE"))
 	if err != nil {
-		log.Fatal(err)
+		log.Print(err)
+		return
 	}
 
 	st, err := admin.New(pool).Stats(ctx, admin.StatsOpts{Routes: routes, Thresholds: admin.DefaultThresholds()})
 	if errors.Is(err, admin.ErrSchemaMissing) {
-		log.Fatal(err) // run `outboxctl migrate` first
+		log.Print(err) // run `outboxctl migrate` first
+		return
 	}
 	if err != nil {
-		log.Fatal(err)
+		log.Print(err)
+		return
 	}
 	for _, a := range st.Alerts {
 		fmt.Printf("ALERT %s: %s\n", a.Name, a.Message)
@@ -129,7 +135,8 @@ func ExampleClient_Explain() {
 		return
 	}
 	if err != nil {
-		log.Fatal(err)
+		log.Print(err)
+		return
 	}
 	fmt.Println(ex.Event.Status)
 	for _, j := range ex.Jobs {
@@ -147,7 +154,8 @@ func ExampleClient_AuditList() {
 
 	list, err := admin.New(pool).AuditList(ctx, admin.AuditOpts{Action: "requeue", Limit: 10})
 	if err != nil {
-		log.Fatal(err)
+		log.Print(err)
+		return
 	}
 	for _, a := range list {
 		fmt.Println(a.At, a.Actor, a.Affected, string(a.Filter))
@@ -167,7 +175,8 @@ func ExampleClient_RetentionRun() {
 		return // outboxd is purging right now
 	}
 	if err != nil {
-		log.Fatal(err)
+		log.Print(err)
+		return
 	}
 	fmt.Printf("deleted %d done events before %s\n", res.Deleted, res.Cutoff)
 }

@@ -56,8 +56,9 @@ func attribute(c *clocks, outbox bool) []Segment {
 		seg Segment
 		h   *hdrhistogram.Histogram
 	}
-	mk := func(name, from, to string, wall bool) *acc {
-		return &acc{seg: Segment{Name: name, From: from, To: to, Wall: wall}, h: newHist()}
+	// Every segment is a wall-clock difference.
+	mk := func(name, from, to string) *acc {
+		return &acc{seg: Segment{Name: name, From: from, To: to, Wall: true}, h: newHist()}
 	}
 	add := func(a *acc, from, to time.Time) {
 		d := to.Sub(from)
@@ -66,10 +67,10 @@ func attribute(c *clocks, outbox bool) []Segment {
 		}
 		record(a.h, d)
 	}
-	claim := mk(segClaim, "producer commit", "job created_at (claim transaction start)", true)
-	handoff := mk(segHandoff, "job created_at", "dispatcher batch committed", true)
-	fetch := mk(segFetch, "dispatcher batch committed", "job attempted_at (River fetch)", true)
-	work := mk(segWork, "job attempted_at", "worker start", true)
+	claim := mk(segClaim, "producer commit", "job created_at (claim transaction start)")
+	handoff := mk(segHandoff, "job created_at", "dispatcher batch committed")
+	fetch := mk(segFetch, "dispatcher batch committed", "job attempted_at (River fetch)")
+	work := mk(segWork, "job attempted_at", "worker start")
 	if !outbox {
 		fetch.seg.From = "producer commit"
 	}

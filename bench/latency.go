@@ -98,17 +98,14 @@ func newClocks() *clocks {
 	}
 }
 
-func (c *clocks) mark(m map[int64]time.Time, t time.Time, ids ...int64) int {
+func (c *clocks) mark(m map[int64]time.Time, t time.Time, ids ...int64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	n := 0
 	for _, id := range ids {
 		if _, ok := m[id]; !ok {
 			m[id] = t
-			n++
 		}
 	}
-	return n
 }
 
 // benchWorker marks when River starts working an outbox job.

@@ -49,7 +49,7 @@ func prepareGraphile(ctx context.Context, o *Options) (*graphilePeer, string) {
 		logf("SKIP %s", note)
 		return nil, note
 	}
-	os.Stderr.Write(stderr.Bytes())
+	_, _ = os.Stderr.Write(stderr.Bytes())
 	node, err := exec.LookPath("node")
 	if err != nil {
 		note := "graphile-worker skipped: node is not on PATH"

@@ -137,7 +137,7 @@ func (h *Handler) signInHint() string {
 
 func (h *Handler) loginForm(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
-	h.render(w, r, http.StatusOK, "login", loginData{Next: safeNext(h, q.Get("next")), Enabled: h.cfg.Token != "", Why: q.Get("why") == "riverui"})
+	h.renderLogin(w, r, http.StatusOK, loginData{Next: safeNext(h, q.Get("next")), Enabled: h.cfg.Token != "", Why: q.Get("why") == "riverui"})
 }
 
 type loginData struct {
@@ -164,7 +164,7 @@ func (h *Handler) login(w http.ResponseWriter, r *http.Request) {
 	}
 	data := loginData{Next: safeNext(h, r.PostForm.Get("next")), Enabled: h.cfg.Token != "", Name: r.PostForm.Get("name")}
 	if h.cfg.Token == "" {
-		h.render(w, r, http.StatusForbidden, "login", data)
+		h.renderLogin(w, r, http.StatusForbidden, data)
 		return
 	}
 	// Hashing both sides makes the comparison's time independent of the
@@ -172,13 +172,13 @@ func (h *Handler) login(w http.ResponseWriter, r *http.Request) {
 	got, want := sha256.Sum256([]byte(r.PostForm.Get("token"))), sha256.Sum256([]byte(h.cfg.Token))
 	if subtle.ConstantTimeCompare(got[:], want[:]) != 1 {
 		data.Error = "wrong token"
-		h.render(w, r, http.StatusUnauthorized, "login", data)
+		h.renderLogin(w, r, http.StatusUnauthorized, data)
 		return
 	}
 	name := strings.TrimSpace(data.Name)
 	if !validName(name) {
 		data.Error = "your name (it goes in the audit table): 1 to 64 printable characters"
-		h.render(w, r, http.StatusBadRequest, "login", data)
+		h.renderLogin(w, r, http.StatusBadRequest, data)
 		return
 	}
 	id := make([]byte, 16)

@@ -55,7 +55,7 @@ var funcs = template.FuncMap{
 		}
 		return strings.Join(s, ",")
 	},
-	"has":   func(list []string, s string) bool { return slices.Contains(list, s) },
+	"has":   slices.Contains[[]string],
 	"short": func(s string) string { return firstLine(s, 200) },
 	"json": func(raw json.RawMessage) string {
 		return string(raw)
@@ -98,8 +98,9 @@ type view struct {
 	StatusCode int
 }
 
-func (h *Handler) render(w http.ResponseWriter, r *http.Request, code int, name string, data any) {
-	h.renderView(w, r, code, name, &view{Data: data})
+// renderLogin renders the login page.
+func (h *Handler) renderLogin(w http.ResponseWriter, r *http.Request, code int, data loginData) {
+	h.renderView(w, r, code, "login", &view{Data: data})
 }
 
 func (h *Handler) renderView(w http.ResponseWriter, r *http.Request, code int, name string, v *view) {

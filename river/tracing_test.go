@@ -180,7 +180,7 @@ func TestWorkerSpanContinuesTheProducersTrace(t *testing.T) {
 			exp.Reset()
 			publishTraced(t, s.Pool, noop.NewTracerProvider(), outbox.Event{Type: "mail.user.welcome"})
 			select {
-			case inHandler = <-handled:
+			case <-handled:
 			case <-time.After(60 * time.Second):
 				t.Fatal("the handler did not run within 60 s")
 			}

@@ -39,11 +39,11 @@ type Job struct {
 type Args string
 
 const (
-	// ArgsEnvelope: the args are outboxriver.EventArgs (event id, type,
+	// ArgsEnvelope means the args are outboxriver.EventArgs (event id, type,
 	// tenant, payload, dispatch key, created_at), what outboxriver.Worker
 	// decodes. The default.
 	ArgsEnvelope Args = "envelope"
-	// ArgsPayload: the args are the event's payload, verbatim, so an
+	// ArgsPayload means the args are the event's payload, verbatim, so an
 	// existing river.Worker[T] decodes it as its own T.
 	ArgsPayload Args = "payload"
 )

@@ -183,7 +183,7 @@ func run() error {
 	if err != nil {
 		return fmt.Errorf("LEDGER_FILE: %w", err)
 	}
-	defer f.Close()
+	defer func() { _ = f.Close() }()
 	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
 	if err != nil {
 		return fmt.Errorf("DATABASE_URL: %w", err)

@@ -356,7 +356,7 @@ func serveConsole(ctx context.Context, bin string, env []string) error {
 	if err := waitUntil(ctx, 20*time.Second, "the console to answer", procs, func() (bool, error) {
 		resp, err := http.Get("http://" + addr + "/console/")
 		if err != nil {
-			return false, nil
+			return false, nil //nolint:nilerr // not up yet: ask again
 		}
 		_ = resp.Body.Close()
 		return resp.StatusCode == http.StatusOK, nil

@@ -223,10 +223,7 @@ func TestExplainShowsTheKeysOrder(t *testing.T) {
 func TestPublishOrderingKeyFlag(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
-	var res struct {
-		ID int64 `json:"id"`
-	}
-	res = ctlJSON[struct {
+	res := ctlJSON[struct {
 		ID int64 `json:"id"`
 	}](t, s, "publish", "--type", "order.item.changed", "--ordering-key", "order-1", "--tenant", "acme")
 	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE id = $1 AND ordering_key = 'order-1' AND ordering_position IS NOT NULL`, res.ID); n != 1 {

@@ -114,7 +114,7 @@ func mountUI(ctx context.Context, cfg *config.Config, mux *http.ServeMux, routes
 		client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{Logger: quiet})
 		if err != nil {
 			con.Stop()
-			return fail(fmt.Errorf("River UI's client: %w", err))
+			return fail(fmt.Errorf("the client of River UI: %w", err))
 		}
 		rui, err := riverui.NewHandler(&riverui.HandlerOpts{
 			Endpoints:                riverui.NewEndpoints(client, nil),
@@ -127,7 +127,7 @@ func mountUI(ctx context.Context, cfg *config.Config, mux *http.ServeMux, routes
 		}
 		if err != nil {
 			con.Stop()
-			return fail(fmt.Errorf("River UI: %w", err))
+			return fail(fmt.Errorf("the River UI handler: %w", err))
 		}
 		mux.Handle(riverUIPrefix+"/", con.GuardRiverUI(rui))
 		served = append(served, riverUIPrefix+"/")
