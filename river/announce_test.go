@@ -28,15 +28,7 @@ func TestAnnounceFoldsIntoRiversNotification(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
 	ctx := pgtest.Context(t, 60*time.Second)
-	lis, err := pgx.Connect(ctx, s.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = lis.Close(context.WithoutCancel(ctx)) }()
-	channel := s.Name + ".river_insert"
-	if _, err := lis.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize()); err != nil {
-		t.Fatal(err)
-	}
+	notes := listenRiverInsert(t, ctx, s)
 
 	ins, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{})
 	if err != nil {
@@ -54,20 +46,9 @@ func TestAnnounceFoldsIntoRiversNotification(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// A later transaction's notification marks the end of the first's.
-	if _, err := s.Pool.Exec(ctx, "SELECT pg_notify($1, 'end')", channel); err != nil {
-		t.Fatal(err)
-	}
 	got := map[string]int{}
-	for {
-		n, err := lis.WaitForNotification(ctx)
-		if err != nil {
-			t.Fatalf("wait for the notifications (got %v): %v", got, err)
-		}
-		if n.Payload == "end" {
-			break
-		}
-		got[n.Payload]++
+	for _, p := range notes() {
+		got[p]++
 	}
 	if got[`{"queue": "outbox_mail"}`] != 1 || got[`{"queue": "outbox_audit"}`] != 1 || len(got) != 2 {
 		t.Errorf("notifications %v, want River's and the announce's folded into one per queue", got)
@@ -81,15 +62,7 @@ func TestSilentInsertClientNotifiesOnce(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
 	ctx := pgtest.Context(t, 60*time.Second)
-	lis, err := pgx.Connect(ctx, s.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = lis.Close(context.WithoutCancel(ctx)) }()
-	channel := s.Name + ".river_insert"
-	if _, err := lis.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize()); err != nil {
-		t.Fatal(err)
-	}
+	notes := listenRiverInsert(t, ctx, s)
 	ins, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{Silent: true})
 	if err != nil {
 		t.Fatal(err)
@@ -103,21 +76,41 @@ func TestSilentInsertClientNotifiesOnce(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if _, err := s.Pool.Exec(ctx, "SELECT pg_notify($1, 'end')", channel); err != nil {
+	if n := len(notes()); n != 1 {
+		t.Errorf("River sent %d insert notifications for 3 inserts, want 1 (the first)", n)
+	}
+}
+
+// listenRiverInsert listens on the schema's River insert channel and
+// returns a function that reports the payloads received so far: it sends a
+// last notification from a later transaction, which marks the end of the
+// earlier ones, and reads up to it.
+func listenRiverInsert(t *testing.T, ctx context.Context, s *pgtest.Schema) func() []string {
+	t.Helper()
+	lis, err := pgx.Connect(ctx, s.URL)
+	if err != nil {
 		t.Fatal(err)
 	}
-	n := 0
-	for {
-		msg, err := lis.WaitForNotification(ctx)
-		if err != nil {
-			t.Fatalf("wait for the notifications: %v", err)
-		}
-		if msg.Payload == "end" {
-			break
-		}
-		n++
+	t.Cleanup(func() { _ = lis.Close(context.WithoutCancel(ctx)) })
+	channel := s.Name + ".river_insert"
+	if _, err := lis.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize()); err != nil {
+		t.Fatal(err)
 	}
-	if n != 1 {
-		t.Errorf("River sent %d insert notifications for 3 inserts, want 1 (the first)", n)
+	return func() []string {
+		t.Helper()
+		if _, err := s.Pool.Exec(ctx, "SELECT pg_notify($1, 'end')", channel); err != nil {
+			t.Fatal(err)
+		}
+		var got []string
+		for {
+			n, err := lis.WaitForNotification(ctx)
+			if err != nil {
+				t.Fatalf("wait for the notifications (got %v): %v", got, err)
+			}
+			if n.Payload == "end" {
+				return got
+			}
+			got = append(got, n.Payload)
+		}
 	}
 }

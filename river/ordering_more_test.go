@@ -84,6 +84,27 @@ func (p *probe) hook(key string, f func(context.Context, *river.Job[probeArgs]) 
 }
 
 // started returns the seqs of queue/key in the order their jobs started.
+// holdSeq makes the job of key with seq wait, while it runs, until the
+// returned release is called (or the test ends).
+func (p *probe) holdSeq(t *testing.T, key string, seq int) (release func()) {
+	hold := make(chan struct{})
+	var once sync.Once
+	release = func() { once.Do(func() { close(hold) }) }
+	t.Cleanup(release)
+	p.hook(key, func(ctx context.Context, job *river.Job[probeArgs]) error {
+		if job.Args.Seq != seq {
+			return nil
+		}
+		select {
+		case <-hold:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	})
+	return release
+}
+
 func (p *probe) started(id string) []int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -453,20 +474,7 @@ func TestParkedKeys(t *testing.T) {
 		failSeq("riverretry", 1, false, &fail)
 		parkAt(t, "riverretry", "discarded")
 		// The retried head is held while it runs, to see the key unparked.
-		hold := make(chan struct{})
-		var once sync.Once
-		t.Cleanup(func() { once.Do(func() { close(hold) }) })
-		p.hook("riverretry", func(ctx context.Context, job *river.Job[probeArgs]) error {
-			if job.Args.Seq != 1 {
-				return nil
-			}
-			select {
-			case <-hold:
-				return nil
-			case <-ctx.Done():
-				return ctx.Err()
-			}
-		})
+		release := p.holdSeq(t, "riverretry", 1)
 		head := jobOf(t, s.Pool, "ord", "riverretry", 1)
 		if _, err := client.JobRetry(ctx, head.id); err != nil {
 			t.Fatal(err)
@@ -476,7 +484,7 @@ func TestParkedKeys(t *testing.T) {
 			t.Errorf("key row while River's retry of the head runs: %+v, want unparked on job %d", k, head.id)
 		}
 		wantStates(t, s.Pool, "ord", "riverretry", map[int]string{2: "pending", 3: "pending"})
-		once.Do(func() { close(hold) })
+		release()
 		drained(t, "riverretry", []int{0, 1, 2, 3})
 		if got := p.started("ord/riverretry"); !slices.Equal(got, []int{0, 1, 1, 2, 3}) {
 			t.Errorf("start order %v, want [0 1 1 2 3]", got)
@@ -517,20 +525,7 @@ func TestParkedKeys(t *testing.T) {
 	})
 
 	t.Run("a waiting job cancelled by hand parks the key at its turn", func(t *testing.T) {
-		hold := make(chan struct{})
-		var once sync.Once
-		t.Cleanup(func() { once.Do(func() { close(hold) }) })
-		p.hook("byhand", func(ctx context.Context, job *river.Job[probeArgs]) error {
-			if job.Args.Seq != 0 {
-				return nil
-			}
-			select {
-			case <-hold:
-				return nil
-			case <-ctx.Done():
-				return ctx.Err()
-			}
-		})
+		release := p.holdSeq(t, "byhand", 0)
 		publishSeqs(t, s.Pool, "order.item.changed", "byhand", true, 0, 1, 2)
 		pgtest.WaitFor(t, 60*time.Second, "seq 0 running and seq 2 queued", func() bool {
 			return jobOf(t, s.Pool, "ord", "byhand", 0).state == "running" && jobOf(t, s.Pool, "ord", "byhand", 2).id != 0
@@ -542,7 +537,7 @@ func TestParkedKeys(t *testing.T) {
 		if k := keyOf(t, s.Pool, "ord", "byhand"); k.parkedState != "" {
 			t.Fatalf("the key parked before the cancelled job's turn: %+v", k)
 		}
-		once.Do(func() { close(hold) })
+		release()
 		pgtest.WaitFor(t, 60*time.Second, "the key parked on the cancelled job", func() bool {
 			k := keyOf(t, s.Pool, "ord", "byhand")
 			return k.parkedState == "cancelled" && k.headJob == cancelled.id && k.headEvent == cancelled.event
@@ -626,20 +621,7 @@ func TestRiverActionsKeepTheOrder(t *testing.T) {
 	startDispatcher(t, s.Pool, probeRoutes(t))
 
 	t.Run("River's retry of a waiting job", func(t *testing.T) {
-		hold := make(chan struct{})
-		var once sync.Once
-		t.Cleanup(func() { once.Do(func() { close(hold) }) })
-		p.hook("jump", func(ctx context.Context, job *river.Job[probeArgs]) error {
-			if job.Args.Seq != 0 {
-				return nil
-			}
-			select {
-			case <-hold:
-				return nil
-			case <-ctx.Done():
-				return ctx.Err()
-			}
-		})
+		release := p.holdSeq(t, "jump", 0)
 		publishSeqs(t, s.Pool, "order.item.changed", "jump", true, 0, 1, 2)
 		pgtest.WaitFor(t, 60*time.Second, "seq 0 running and seq 2 queued", func() bool {
 			return jobOf(t, s.Pool, "ord", "jump", 0).state == "running" && jobOf(t, s.Pool, "ord", "jump", 2).id != 0
@@ -655,7 +637,7 @@ func TestRiverActionsKeepTheOrder(t *testing.T) {
 			}
 		}
 		wantStates(t, s.Pool, "ord", "jump", map[int]string{0: "running", 1: "pending", 2: "pending"})
-		once.Do(func() { close(hold) })
+		release()
 		pgtest.WaitFor(t, 60*time.Second, "the key drained", func() bool { return len(p.ended("ord/jump")) == 3 })
 		if got := p.started("ord/jump"); !slices.Equal(got, []int{0, 1, 2}) || p.most("ord/jump") != 1 {
 			t.Errorf("start order %v with %d at once, want [0 1 2] one at a time", got, p.most("ord/jump"))
