@@ -11,8 +11,8 @@ import (
 	"github.com/outboxhq/outbox"
 	"github.com/outboxhq/outbox/admin"
 	"github.com/outboxhq/outbox/claim"
+	"github.com/outboxhq/outbox/internal/ordertest"
 	"github.com/outboxhq/outbox/internal/pgtest"
-	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
 )
 
@@ -21,30 +21,13 @@ import (
 // triggers make the first job of a key its head and hold the rest pending.
 func handOff(t *testing.T, s *pgtest.Schema) claim.Result {
 	t.Helper()
-	routes, err := route.New([]route.Rule{{Prefix: "order.", Queues: []string{"outbox_order"}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rc, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := &claim.Handoff{Pool: s.Pool, River: rc, Routes: routes, MaxRetries: 6}
-	res, err := h.Batch(context.Background(), 100)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return res
+	return ordertest.HandOff(t, s.Pool, nil)
 }
 
 // keyed publishes n events of one key, in one transaction.
 func keyed(t *testing.T, s *pgtest.Schema, tenant, key string, n int) []int64 {
 	t.Helper()
-	evs := make([]outbox.Event, n)
-	for i := range evs {
-		evs[i] = outbox.Event{Type: "order.item.changed", Payload: json.RawMessage(`{}`), TenantID: tenant, OrderingKey: key}
-	}
-	return pgtest.Publish(t, s.Pool, evs...)
+	return pgtest.Publish(t, s.Pool, ordertest.Events(tenant, key, n)...)
 }
 
 // jobOf is the River job of an event.
@@ -463,14 +446,8 @@ func TestKeysAndUnparkPerQueue(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rc, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
 	evs := keyed(t, s, "acme", "fan", 2)
-	if _, err := (&claim.Handoff{Pool: s.Pool, River: rc, Routes: routes, MaxRetries: 6}).Batch(ctx, 100); err != nil {
-		t.Fatal(err)
-	}
+	ordertest.HandOff(t, s.Pool, routes)
 	var orderHead, auditHead int64
 	if err := s.Pool.QueryRow(ctx, `SELECT (SELECT id FROM river_job WHERE id = ANY(e.river_job_ids) AND queue = 'outbox_order'),
 		(SELECT id FROM river_job WHERE id = ANY(e.river_job_ids) AND queue = 'outbox_audit') FROM outbox_event e WHERE e.id = $1`, evs[0]).Scan(&orderHead, &auditHead); err != nil {

@@ -1,18 +1,14 @@
 package admin_test
 
 import (
-	"context"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/outboxhq/outbox"
 	"github.com/outboxhq/outbox/admin"
-	"github.com/outboxhq/outbox/alert"
-	"github.com/outboxhq/outbox/claim"
+	"github.com/outboxhq/outbox/internal/ordertest"
 	"github.com/outboxhq/outbox/internal/pgtest"
-	outboxriver "github.com/outboxhq/outbox/river"
-	"github.com/outboxhq/outbox/route"
 )
 
 // TestStatsShowParkedKeysAndAlert parks a real key (keyed events handed off
@@ -46,23 +42,10 @@ func TestStatsShowParkedKeysAndAlert(t *testing.T) {
 	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET status = 'failed', last_error = 'test' WHERE id = $1`, ids[3]); err != nil {
 		t.Fatal(err)
 	}
-	routes, err := route.New([]route.Rule{{Prefix: "order.", Queues: []string{"outbox_order"}}})
-	if err != nil {
-		t.Fatal(err)
+	if res := ordertest.HandOff(t, s.Pool, nil); res.Jobs != 3 {
+		t.Fatalf("handoff %+v; want 3 jobs", res)
 	}
-	rc, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := &claim.Handoff{Pool: s.Pool, River: rc, Routes: routes, MaxRetries: 6, Alerter: alert.Func(func(context.Context, alert.Alert) {})}
-	if res, err := h.Batch(ctx, 100); err != nil || res.Jobs != 3 {
-		t.Fatalf("handoff %+v, %v; want 3 jobs", res, err)
-	}
-	if _, err := s.Pool.Exec(ctx, `
-		UPDATE river_job SET state = 'discarded', finalized_at = now()
-		WHERE id = (SELECT head_job_id FROM outbox_ordering_key WHERE tenant_id = 'acme' AND ordering_key = 'order-42')`); err != nil {
-		t.Fatal(err)
-	}
+	ordertest.FinalizeHead(t, s.Pool, "acme", "order-42", "discarded")
 
 	st, err = cl.Stats(ctx, admin.StatsOpts{Thresholds: admin.DefaultThresholds()})
 	if err != nil {

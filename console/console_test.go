@@ -15,10 +15,9 @@ import (
 	"time"
 
 	"github.com/outboxhq/outbox"
-	"github.com/outboxhq/outbox/claim"
 	"github.com/outboxhq/outbox/console"
+	"github.com/outboxhq/outbox/internal/ordertest"
 	"github.com/outboxhq/outbox/internal/pgtest"
-	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
 )
 
@@ -345,44 +344,6 @@ func TestPayloadsShownWhenEnabled(t *testing.T) {
 	}
 }
 
-// parkKey publishes n events of one key, hands them off with the real
-// claim (order. to outbox_order) and discards the head job as River does
-// when it runs out of attempts: the key is parked with n-1 jobs waiting. It
-// returns the event ids and their jobs' ids.
-func parkKey(t *testing.T, s *pgtest.Schema, tenant, key string, n int) (events, jobs []int64) {
-	t.Helper()
-	ctx := context.Background()
-	evs := make([]outbox.Event, n)
-	for i := range evs {
-		evs[i] = outbox.Event{Type: "order.item.changed", Payload: json.RawMessage(`{}`), TenantID: tenant, OrderingKey: key}
-	}
-	events = pgtest.Publish(t, s.Pool, evs...)
-	routes, err := route.New([]route.Rule{{Prefix: "order.", Queues: []string{"outbox_order"}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rc, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := &claim.Handoff{Pool: s.Pool, River: rc, Routes: routes, MaxRetries: 6}
-	if _, err := h.Batch(ctx, 100); err != nil {
-		t.Fatal(err)
-	}
-	for _, id := range events {
-		var job int64
-		if err := s.Pool.QueryRow(ctx, `SELECT river_job_ids[1] FROM outbox_event WHERE id = $1 AND status = 'done'`, id).Scan(&job); err != nil {
-			t.Fatalf("job of event %d: %v", id, err)
-		}
-		jobs = append(jobs, job)
-	}
-	if _, err := s.Pool.Exec(ctx, `UPDATE river_job SET state = 'discarded', finalized_at = now(), attempt = 1, max_attempts = 1,
-		errors = ARRAY[jsonb_build_object('attempt', 1, 'at', now(), 'error', 'webhook 500')] WHERE id = $1`, jobs[0]); err != nil {
-		t.Fatal(err)
-	}
-	return events, jobs
-}
-
 // TestKeysPageAndUnpark: the overview counts the parked key and the keys
 // page lists it with links to its head event and River UI's job page,
 // escaped; unpark goes through the same sign-in, CSRF, preview and
@@ -393,7 +354,7 @@ func TestKeysPageAndUnpark(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
 	const key = "order-42<script>"
-	events, jobs := parkKey(t, s, "acme", key, 2)
+	events, jobs := ordertest.ParkKey(t, s.Pool, "acme", key, 2, "webhook 500")
 	srv, _ := server(t, s, console.Config{Token: testToken})
 	c := newClient(t, srv)
 

@@ -1,55 +1,16 @@
 package metrics_test
 
 import (
-	"context"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/outboxhq/outbox"
-	"github.com/outboxhq/outbox/alert"
-	"github.com/outboxhq/outbox/claim"
+	"github.com/outboxhq/outbox/internal/ordertest"
 	"github.com/outboxhq/outbox/internal/pgtest"
 	"github.com/outboxhq/outbox/metrics"
-	outboxriver "github.com/outboxhq/outbox/river"
-	"github.com/outboxhq/outbox/route"
 )
-
-// handOff hands every due event off to River (queue outbox_order for
-// order.*) with the real claim, so the ordering triggers make heads and
-// waiting jobs.
-func handOff(t *testing.T, pool *pgxpool.Pool) claim.Result {
-	t.Helper()
-	routes, err := route.New([]route.Rule{{Prefix: "order.", Queues: []string{"outbox_order"}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rc, err := outboxriver.NewInsertClient(pool, outboxriver.InsertClientConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := &claim.Handoff{Pool: pool, River: rc, Routes: routes, MaxRetries: 6, Alerter: alert.Func(func(context.Context, alert.Alert) {})}
-	res, err := h.Batch(pgtest.Context(t, 60*time.Second), 100)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return res
-}
-
-// park finalizes the head job of a key in state (discarded or cancelled),
-// as River does when the job runs out of attempts or is cancelled: the
-// settled trigger parks the key.
-func park(t *testing.T, pool *pgxpool.Pool, tenant, key, state string) {
-	t.Helper()
-	tag, err := pool.Exec(context.Background(), `
-		UPDATE river_job SET state = $3::river_job_state, finalized_at = now()
-		WHERE id = (SELECT head_job_id FROM outbox_ordering_key WHERE tenant_id = $1 AND ordering_key = $2)`, tenant, key, state)
-	if err != nil || tag.RowsAffected() != 1 {
-		t.Fatalf("park %s/%s: %v (%d rows)", tenant, key, err, tag.RowsAffected())
-	}
-}
 
 func ev(tenant, key string) outbox.Event {
 	return outbox.Event{Type: "order.step.done", TenantID: tenant, OrderingKey: key}
@@ -83,11 +44,11 @@ func TestReadOrderingCountsParkedWaitingAndHeldKeys(t *testing.T) {
 	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET status = 'failed', last_error = 'test' WHERE id = $1`, ids[6]); err != nil {
 		t.Fatal(err)
 	}
-	if res := handOff(t, s.Pool); res.Jobs != 7 || res.Blocked != 2 {
+	if res := ordertest.HandOff(t, s.Pool, nil); res.Jobs != 7 || res.Blocked != 2 {
 		t.Fatalf("handoff %+v, want 7 jobs and the 2 held events blocked", res)
 	}
-	park(t, s.Pool, "acme", "parked-d", "discarded")
-	park(t, s.Pool, "", "parked-c", "cancelled")
+	ordertest.FinalizeHead(t, s.Pool, "acme", "parked-d", "discarded")
+	ordertest.FinalizeHead(t, s.Pool, "", "parked-c", "cancelled")
 	// Back-date the waits and a parking so the ages tell the keys apart:
 	// the longest wait overall is behind the running key, the longest
 	// among parked keys behind parked-d.

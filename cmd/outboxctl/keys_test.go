@@ -9,56 +9,16 @@ import (
 
 	"github.com/outboxhq/outbox"
 	"github.com/outboxhq/outbox/admin"
-	"github.com/outboxhq/outbox/claim"
+	"github.com/outboxhq/outbox/internal/ordertest"
 	"github.com/outboxhq/outbox/internal/pgtest"
-	outboxriver "github.com/outboxhq/outbox/river"
-	"github.com/outboxhq/outbox/route"
 )
 
-// handOffOrdered hands every due event off with the real claim (order. to
-// outbox_order) as the schema's owner.
-func handOffOrdered(t *testing.T, s *pgtest.Schema) {
-	t.Helper()
-	routes, err := route.New([]route.Rule{{Prefix: "order.", Queues: []string{"outbox_order"}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rc, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := &claim.Handoff{Pool: s.Pool, River: rc, Routes: routes, MaxRetries: 6}
-	if _, err := h.Batch(context.Background(), 100); err != nil {
-		t.Fatal(err)
-	}
-}
-
-// parkKey publishes n events of one key, hands them off and discards the
-// head job, as River does when it runs out of attempts: the key is parked
-// with n-1 jobs waiting. It returns the event ids and the jobs' ids.
+// parkKey parks key with n-1 jobs waiting behind its discarded head
+// (ordertest.ParkKey); the head's error ends in a terminal escape, which
+// the listing must not pass through.
 func parkKey(t *testing.T, s *pgtest.Schema, tenant, key string, n int) (events, jobs []int64) {
 	t.Helper()
-	evs := make([]outbox.Event, n)
-	for i := range evs {
-		evs[i] = outbox.Event{Type: "order.item.changed", Payload: json.RawMessage(`{}`), TenantID: tenant, OrderingKey: key}
-	}
-	events = pgtest.Publish(t, s.Pool, evs...)
-	handOffOrdered(t, s)
-	ctx := context.Background()
-	for _, id := range events {
-		var job int64
-		if err := s.Pool.QueryRow(ctx, `SELECT river_job_ids[1] FROM outbox_event WHERE id = $1 AND status = 'done'`, id).Scan(&job); err != nil {
-			t.Fatalf("job of event %d: %v", id, err)
-		}
-		jobs = append(jobs, job)
-	}
-	if _, err := s.Pool.Exec(ctx, `
-		UPDATE river_job SET state = 'discarded', finalized_at = now(), attempt = 1, max_attempts = 1, attempted_at = now(),
-		       errors = ARRAY[jsonb_build_object('attempt', 1, 'at', now(), 'error', 'webhook 500' || chr(27) || '[2J')]
-		WHERE id = $1`, jobs[0]); err != nil {
-		t.Fatal(err)
-	}
-	return events, jobs
+	return ordertest.ParkKey(t, s.Pool, tenant, key, n, "webhook 500\x1b[2J")
 }
 
 func jobStateOf(t *testing.T, s *pgtest.Schema, id int64) string {

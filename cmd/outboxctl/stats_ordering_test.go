@@ -1,17 +1,12 @@
 package main
 
 import (
-	"context"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/outboxhq/outbox"
-	"github.com/outboxhq/outbox/alert"
-	"github.com/outboxhq/outbox/claim"
+	"github.com/outboxhq/outbox/internal/ordertest"
 	"github.com/outboxhq/outbox/internal/pgtest"
-	outboxriver "github.com/outboxhq/outbox/river"
-	"github.com/outboxhq/outbox/route"
 )
 
 // TestStatsCheckFailsOnParkedKey: with ordering unused, stats says so in
@@ -22,7 +17,6 @@ import (
 func TestStatsCheckFailsOnParkedKey(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 4})
-	ctx := pgtest.Context(t, 120*time.Second)
 
 	code, out, errOut := octl(t, s, "stats", "--check")
 	if code != 0 || !strings.Contains(out, "ordering keys: none in flight") {
@@ -32,23 +26,10 @@ func TestStatsCheckFailsOnParkedKey(t *testing.T) {
 	pgtest.Publish(t, s.Pool,
 		outbox.Event{Type: "order.step.done", TenantID: "acme", OrderingKey: "order-42"},
 		outbox.Event{Type: "order.step.done", TenantID: "acme", OrderingKey: "order-42"})
-	routes, err := route.New([]route.Rule{{Prefix: "order.", Queues: []string{"outbox_order"}}})
-	if err != nil {
-		t.Fatal(err)
+	if res := ordertest.HandOff(t, s.Pool, nil); res.Jobs != 2 {
+		t.Fatalf("handoff %+v; want 2 jobs", res)
 	}
-	rc, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := &claim.Handoff{Pool: s.Pool, River: rc, Routes: routes, MaxRetries: 6, Alerter: alert.Func(func(context.Context, alert.Alert) {})}
-	if res, err := h.Batch(ctx, 10); err != nil || res.Jobs != 2 {
-		t.Fatalf("handoff %+v, %v; want 2 jobs", res, err)
-	}
-	if _, err := s.Pool.Exec(ctx, `
-		UPDATE river_job SET state = 'discarded', finalized_at = now()
-		WHERE id = (SELECT head_job_id FROM outbox_ordering_key WHERE ordering_key = 'order-42')`); err != nil {
-		t.Fatal(err)
-	}
+	ordertest.FinalizeHead(t, s.Pool, "acme", "order-42", "discarded")
 
 	code, out, errOut = octl(t, s, "stats", "--check")
 	if code != 1 || !strings.Contains(errOut, "keys_parked") {

@@ -1,7 +1,6 @@
 package main_test
 
 import (
-	"context"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -9,10 +8,8 @@ import (
 	"time"
 
 	"github.com/outboxhq/outbox"
-	"github.com/outboxhq/outbox/alert"
-	"github.com/outboxhq/outbox/claim"
+	"github.com/outboxhq/outbox/internal/ordertest"
 	"github.com/outboxhq/outbox/internal/pgtest"
-	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
 )
 
@@ -30,19 +27,10 @@ func TestDaemonAlertsParkedKey(t *testing.T) {
 	pgtest.Publish(t, s.Pool,
 		outbox.Event{Type: "billing.invoice.paid", TenantID: "acme", OrderingKey: "invoice-9"},
 		outbox.Event{Type: "billing.invoice.paid", TenantID: "acme", OrderingKey: "invoice-9"})
-	rc, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{})
-	if err != nil {
-		t.Fatal(err)
+	if res := ordertest.HandOff(t, s.Pool, routes); res.Jobs != 2 {
+		t.Fatalf("handoff %+v; want 2 jobs", res)
 	}
-	h := &claim.Handoff{Pool: s.Pool, River: rc, Routes: routes, MaxRetries: 6, Alerter: alert.Func(func(context.Context, alert.Alert) {})}
-	if res, err := h.Batch(pgtest.Context(t, 60*time.Second), 10); err != nil || res.Jobs != 2 {
-		t.Fatalf("handoff %+v, %v; want 2 jobs", res, err)
-	}
-	if _, err := s.Pool.Exec(context.Background(), `
-		UPDATE river_job SET state = 'discarded', finalized_at = now()
-		WHERE id = (SELECT head_job_id FROM outbox_ordering_key WHERE ordering_key = 'invoice-9')`); err != nil {
-		t.Fatal(err)
-	}
+	ordertest.FinalizeHead(t, s.Pool, "acme", "invoice-9", "discarded")
 	cmd, out := daemon(t, "OUTBOX_DISPATCHER_ENABLED=true", "OUTBOX_ROUTES_FILE="+routesFile, "DATABASE_URL="+s.URL, "OUTBOX_HTTP_ADDR=off")
 	waitLog(t, out, "reason=parked_key")
 	for _, want := range []string{"ordering_key=invoice-9", "queue=outbox_notification", "tenant_id=acme"} {

@@ -12,9 +12,8 @@ import (
 
 	"github.com/outboxhq/outbox"
 	"github.com/outboxhq/outbox/alert"
-	"github.com/outboxhq/outbox/claim"
+	"github.com/outboxhq/outbox/internal/ordertest"
 	"github.com/outboxhq/outbox/internal/pgtest"
-	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
 )
 
@@ -24,13 +23,8 @@ import (
 func handOffKeyed(t *testing.T, pool *pgxpool.Pool, routes *route.Table, events ...outbox.Event) []int64 {
 	t.Helper()
 	ids := pgtest.Publish(t, pool, events...)
-	rc, err := outboxriver.NewInsertClient(pool, outboxriver.InsertClientConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := &claim.Handoff{Pool: pool, River: rc, Routes: routes, MaxRetries: 6, Alerter: alert.Func(func(context.Context, alert.Alert) {})}
-	if res, err := h.Batch(pgtest.Context(t, 60*time.Second), 100); err != nil || res.Jobs != len(events) {
-		t.Fatalf("handoff %+v, %v; want %d jobs", res, err, len(events))
+	if res := ordertest.HandOff(t, pool, routes); res.Jobs != len(events) {
+		t.Fatalf("handoff %+v; want %d jobs", res, len(events))
 	}
 	return ids
 }
