@@ -2,10 +2,10 @@ package outboxriver
 
 import (
 	"bytes"
-	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
 	"slices"
 	"strings"
@@ -18,6 +18,8 @@ import (
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
+
+	"github.com/outboxhq/outbox/internal/lockorder"
 )
 
 // NewOrderedCompletionMiddleware returns River worker middleware that
@@ -48,10 +50,13 @@ func NewOrderedCompletionMiddleware() rivertype.WorkerMiddleware {
 // maxGroup) together. An idle worker thus pays one short transaction, and
 // a busy one shares a commit, and the release notifications of a queue
 // (Postgres sends identical ones of a transaction once), with the jobs
-// that ended beside it. A transaction completes its jobs in the order of
-// their keys (tenant, key, queue), the order in which the handoff
-// inserts them (package claim): a handoff batch and a completion that
-// share two keys queue behind each other instead of deadlocking.
+// that ended beside it. A transaction completes jobs of one River client
+// (a middleware shared by two clients groups each client's apart), in the
+// order of their keys (package lockorder), the order in which the handoff
+// inserts them: a handoff batch and a completion that share two keys
+// queue behind each other instead of deadlocking. A group and its
+// fallback, one job at a time when the group fails, share a 10 s
+// deadline: the workers that wait for them hold their River slots.
 //
 // Ordered jobs are never left to River's batch completer, whose statement
 // would run the release trigger for thousands of jobs at once: measured,
@@ -81,15 +86,12 @@ type completion struct {
 	ctx    context.Context
 	client *river.Client[pgx.Tx]
 	job    *rivertype.JobRow
-	scope  jobScope
+	scope  lockorder.Key
 	// done receives the outcome once; lead asks the completion's worker
 	// to write the next group.
 	done chan error
 	lead chan struct{}
 }
-
-// jobScope is the key whose row an ordered job's completion locks.
-type jobScope struct{ tenant, key, queue string }
 
 const (
 	// maxFastCompletions is how many completion transactions one
@@ -161,26 +163,40 @@ func (m *orderedCompletion) Work(ctx context.Context, job *rivertype.JobRow, doI
 	}
 }
 
-// writeGroup completes the queued completions (at most maxGroup) in one
-// transaction, then hands its writer's place to the first completion
-// still queued, or gives it up. The caller holds a writer's place.
+// writeGroup completes queued completions of one client (the first
+// queued one's, at most maxGroup) in one transaction, then hands its
+// writer's place to the first completion still queued, or gives it up.
+// The caller holds a writer's place. Every completion it takes gets its
+// outcome, whatever happens: a panic while writing becomes their error.
 func (m *orderedCompletion) writeGroup() {
 	m.mu.Lock()
-	n := min(len(m.queue), maxGroup)
-	group := slices.Clone(m.queue[:n])
-	m.queue = slices.Delete(m.queue, 0, n)
+	var group []*completion
+	if len(m.queue) > 0 {
+		client := m.queue[0].client
+		rest := m.queue[:0]
+		for _, c := range m.queue {
+			if c.client == client && len(group) < maxGroup {
+				group = append(group, c)
+			} else {
+				rest = append(rest, c)
+			}
+		}
+		clear(m.queue[len(rest):])
+		m.queue = rest
+	}
 	m.mu.Unlock()
 
 	if len(group) > 0 {
-		slices.SortStableFunc(group, func(a, b *completion) int {
-			return cmp.Or(cmp.Compare(a.scope.tenant, b.scope.tenant), cmp.Compare(a.scope.key, b.scope.key), cmp.Compare(a.scope.queue, b.scope.queue))
-		})
-		err := m.completeGroup(group)
+		slices.SortStableFunc(group, func(a, b *completion) int { return lockorder.Compare(a.scope, b.scope) })
+		// One deadline for the group and its fallback: the workers wait
+		// for it, and their River slots with them.
+		deadline := time.Now().Add(10 * time.Second)
+		err := m.completeGroup(deadline, group)
 		if err != nil && len(group) > 1 {
-			// One job's trouble (a deadlock with a hand-made change, a
-			// timeout) must not fail the others: each goes alone.
+			// One job's trouble (a deadlock with a hand-made change) must
+			// not fail the others: each goes alone, until the deadline.
 			for _, c := range group {
-				c.done <- m.completeGroup([]*completion{c})
+				c.done <- m.completeGroup(deadline, []*completion{c})
 			}
 		} else {
 			for _, c := range group {
@@ -203,14 +219,19 @@ func (m *orderedCompletion) writeGroup() {
 	m.writers--
 }
 
-// completeGroup completes the jobs of group, in its order (every job of a
-// middleware comes from one client, the first one's): with one call of
-// outbox_ordering_complete (migration 012), a transaction of its own in
-// one round trip, or, against an older schema, with one River completion
-// statement per job in one transaction. A job its worker completed
-// already is left as it is.
-func (m *orderedCompletion) completeGroup(group []*completion) error {
-	ctx, cancel := context.WithTimeout(group[0].ctx, 10*time.Second)
+// completeGroup completes the jobs of group (all of one client), in its
+// order, before deadline: with one call of outbox_ordering_complete
+// (migration 012), a transaction of its own in one round trip, or, against
+// an older schema, with one River completion statement per job in one
+// transaction. A job its worker completed already is left as it is. A
+// panic is returned as an error.
+func (m *orderedCompletion) completeGroup(deadline time.Time, group []*completion) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("outbox: completing ordered jobs panicked: %v", r)
+		}
+	}()
+	ctx, cancel := context.WithDeadline(group[0].ctx, deadline)
 	defer cancel()
 	client := group[0].client
 	if !m.perJob.Load() {
@@ -226,7 +247,7 @@ func (m *orderedCompletion) completeGroup(group []*completion) error {
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == "42883" && strings.Contains(pgErr.Message, "outbox_ordering_complete") {
 			m.perJob.Store(true) // a schema before 012
-			return m.completeGroup(group)
+			return m.completeGroup(deadline, group)
 		}
 		return err
 	}
@@ -241,7 +262,7 @@ func (m *orderedCompletion) completeGroup(group []*completion) error {
 		return err
 	}
 	for _, c := range group {
-		jctx, jcancel := context.WithDeadline(c.ctx, deadlineOf(ctx))
+		jctx, jcancel := context.WithDeadline(c.ctx, deadline)
 		_, err := river.JobCompleteTx[*riverpgxv5.Driver](jctx, tx, &river.Job[anyArgs]{JobRow: c.job})
 		jcancel()
 		if err != nil && !errors.Is(err, rivertype.ErrNotFound) {
@@ -251,28 +272,22 @@ func (m *orderedCompletion) completeGroup(group []*completion) error {
 	return tx.Commit(ctx)
 }
 
-// deadlineOf returns ctx's deadline (completeGroup's contexts have one).
-func deadlineOf(ctx context.Context) time.Time {
-	d, _ := ctx.Deadline()
-	return d
-}
-
 // orderedScope reports whether job carries an ordering key in its
 // metadata (MetadataOrderingKey), and the key its completion locks.
-func orderedScope(job *rivertype.JobRow) (jobScope, bool) {
+func orderedScope(job *rivertype.JobRow) (lockorder.Key, bool) {
 	if job == nil || !bytes.Contains(job.Metadata, []byte(`"`+MetadataOrderingKey+`"`)) {
-		return jobScope{}, false
+		return lockorder.Key{}, false
 	}
 	var m struct {
 		Tenant *string `json:"outbox_tenant_id"`
 		Key    *string `json:"outbox_ordering_key"`
 	}
 	if json.Unmarshal(job.Metadata, &m) != nil || m.Key == nil {
-		return jobScope{}, false
+		return lockorder.Key{}, false
 	}
-	s := jobScope{key: *m.Key, queue: job.Queue}
+	s := lockorder.Key{OrderingKey: *m.Key, Queue: job.Queue}
 	if m.Tenant != nil {
-		s.tenant = *m.Tenant
+		s.Tenant = *m.Tenant
 	}
 	return s, true
 }
