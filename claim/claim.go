@@ -27,10 +27,12 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/rivertype"
 
 	"github.com/outboxhq/outbox"
 	"github.com/outboxhq/outbox/alert"
 	"github.com/outboxhq/outbox/internal/jsonlimit"
+	"github.com/outboxhq/outbox/internal/lockorder"
 	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
 )
@@ -706,9 +708,10 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		// stopped holds the ordering keys whose event in this batch was
 		// failed at once (broken or unroutable): their later events wait.
 		stopped map[orderingScope]bool
-		// lockOrder, when the batch has ordered jobs, says which key each
-		// job of params locks (see insertOrder).
-		lockOrder []jobLock
+		// locks says which key row each job of params locks (see
+		// insertOrder); anyKeyed is set when any does.
+		locks    = make([]jobLock, 0, len(events))
+		anyKeyed bool
 	)
 	events = inKeyOrder(events)
 	for i := range events {
@@ -753,20 +756,17 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		for _, p := range outboxriver.JobParams(rule, args) {
 			params = append(params, p)
 			jobEvent = append(jobEvent, e.ID)
-			if keyed {
-				if lockOrder == nil {
-					lockOrder = make([]jobLock, len(params)-1, cap(params))
-				}
-				lockOrder = append(lockOrder, jobLock{keyed: true, tenant: scope.tenant, key: scope.key, queue: p.InsertOpts.Queue, position: e.OrderingPosition})
-			} else if lockOrder != nil {
-				lockOrder = append(lockOrder, jobLock{})
-			}
+			locks = append(locks, jobLock{keyed: keyed, lock: lockorder.Key{Tenant: scope.tenant, OrderingKey: scope.key, Queue: p.InsertOpts.Queue}})
+			anyKeyed = anyKeyed || keyed
 		}
 		res.Done++
 		res.Handed = append(res.Handed, Handed{ID: e.ID, Type: e.Type, Route: rule.Prefix, CreatedAt: e.CreatedAt})
 	}
 	if len(params) > 0 {
-		order := insertOrder(lockOrder)
+		var order []int
+		if anyKeyed {
+			order = insertOrder(locks)
+		}
 		toInsert := params
 		if order != nil {
 			toInsert = make([]river.InsertManyParams, len(params))
@@ -790,14 +790,20 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 			}
 		}
 		final = append(final, queued{"mark done", markDoneSQL, []any{jobEvent, jobIDs}})
-		// Announce every queue that got jobs, in the transaction: River's
-		// own notification is rate-limited per client and has no trailing
-		// send (outboxriver.AnnounceSQL).
-		queues := make([]string, len(params))
-		for i, p := range params {
-			queues[i] = p.InsertOpts.Queue
+		// Announce every queue that got jobs a worker may fetch, in the
+		// transaction: River's own notification is rate-limited per client
+		// and has no trailing send (outboxriver.AnnounceSQL). Ordered jobs
+		// queued behind their key's head (pending) are announced when the
+		// ordering trigger releases them.
+		queues := make([]string, 0, len(inserted))
+		for _, r := range inserted {
+			if r.Job.State != rivertype.JobStatePending {
+				queues = append(queues, r.Job.Queue)
+			}
 		}
-		final = append(final, queued{"announce the jobs", outboxriver.AnnounceSQL, []any{outboxriver.AnnouncePayloads(queues)}})
+		if len(queues) > 0 {
+			final = append(final, queued{"announce the jobs", outboxriver.AnnounceSQL, []any{outboxriver.AnnouncePayloads(queues)}})
+		}
 		res.Jobs = len(params)
 	}
 	if len(unroutable) > 0 {
@@ -824,27 +830,24 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 	return res, unroutable, nil
 }
 
-// jobLock is the key an ordered job locks when it is inserted: the
+// jobLock is the key row an ordered job locks when it is inserted: the
 // ordering trigger locks the row of its (tenant, key, queue).
 type jobLock struct {
-	keyed              bool
-	tenant, key, queue string
-	position           int64
+	keyed bool
+	lock  lockorder.Key
 }
 
 // insertOrder returns the order in which to insert the jobs whose locks
-// are given (indexes into them), or nil to keep theirs: jobs without a key
-// first, then the ordered ones by (tenant, key, queue) and, within a key,
-// by position. The ordering triggers lock each key's row in the order of
-// the insert, and the completion of ordered jobs (outboxriver's
-// middleware) locks its keys in the same order, so that a batch and a
-// completion that share two keys queue behind each other instead of
-// deadlocking (Postgres would break the cycle after deadlock_timeout, a
-// second in which both keys stand still).
+// are given (indexes into them): jobs without a key first, then the
+// ordered ones in lockorder's order. The sort is stable and inKeyOrder has
+// put each key's events in position order, so a key's jobs stay in
+// position order. The ordering triggers lock each key's row in the order
+// of the insert, and the ordered completion middleware locks its keys in
+// the same order (package lockorder), so that a batch and a completion
+// that share two keys queue behind each other instead of deadlocking
+// (Postgres would break the cycle after deadlock_timeout, a second in
+// which both keys stand still).
 func insertOrder(locks []jobLock) []int {
-	if locks == nil {
-		return nil
-	}
 	order := make([]int, len(locks))
 	for i := range order {
 		order[i] = i
@@ -857,7 +860,7 @@ func insertOrder(locks []jobLock) []int {
 			}
 			return 1
 		}
-		return cmp.Or(cmp.Compare(x.tenant, y.tenant), cmp.Compare(x.key, y.key), cmp.Compare(x.queue, y.queue), cmp.Compare(x.position, y.position))
+		return lockorder.Compare(x.lock, y.lock)
 	})
 	return order
 }

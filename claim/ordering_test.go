@@ -3,15 +3,18 @@ package claim_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxhq/outbox"
 	"github.com/outboxhq/outbox/admin"
 	"github.com/outboxhq/outbox/claim"
 	"github.com/outboxhq/outbox/internal/pgtest"
+	outboxriver "github.com/outboxhq/outbox/river"
 )
 
 // keyed is a mail event of an ordering key (and tenant).
@@ -332,5 +335,67 @@ func TestOneSkipsABlockedEventWithoutCharge(t *testing.T) {
 	}
 	if res, err := h.One(context.Background(), ids[1], nil); err != nil || res.Done != 1 {
 		t.Fatalf("One once unblocked: %+v, %v", res, err)
+	}
+}
+
+// TestHandoffAnnouncesOnlyRunnableJobs: a batch whose only job waits
+// behind its key's head (River's pending state) wakes no worker: the
+// ordering trigger announces the job when it releases it. A batch with a
+// runnable job announces its queue.
+func TestHandoffAnnouncesOnlyRunnableJobs(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	lis, err := pgx.Connect(ctx, s.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = lis.Close(context.WithoutCancel(ctx)) }()
+	channel := s.Name + ".river_insert"
+	if _, err := lis.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	// received reads the notifications up to a marker sent after them.
+	received := func() []string {
+		if _, err := s.Pool.Exec(ctx, "SELECT pg_notify($1, 'end')", channel); err != nil {
+			t.Fatal(err)
+		}
+		var got []string
+		for {
+			n, err := lis.WaitForNotification(ctx)
+			if err != nil {
+				t.Fatalf("notifications (got %v): %v", got, err)
+			}
+			if n.Payload == "end" {
+				return got
+			}
+			got = append(got, n.Payload)
+		}
+	}
+	// Silent, as the dispatcher's: River's own notification goes by the
+	// state it asked for, not the one the trigger set.
+	h := newHandoff(t, s.Pool, 0, nil)
+	rc, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{Silent: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.River = rc
+
+	pgtest.Publish(t, s.Pool, keyed("", "k"))
+	if res := batch(t, h); res.Done != 1 {
+		t.Fatalf("first batch %+v", res)
+	}
+	if got := received(); len(got) == 0 || !slices.Contains(got, `{"queue": "outbox_mail"}`) {
+		t.Fatalf("a batch with the key's head announced %v, want outbox_mail", got)
+	}
+	waiting := pgtest.Publish(t, s.Pool, keyed("", "k"))
+	if res := batch(t, h); res.Done != 1 {
+		t.Fatalf("second batch %+v", res)
+	}
+	if st := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state = 'pending' AND id = $1`, jobOf(t, s.Pool, waiting[0])); st != 1 {
+		t.Fatal("the second job is not waiting behind the head")
+	}
+	if got := received(); len(got) != 0 {
+		t.Fatalf("a batch of a waiting job announced %v, want nothing", got)
 	}
 }
