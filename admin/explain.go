@@ -389,11 +389,11 @@ WHERE coalesce(tenant_id, '') = coalesce($1, '') AND ordering_key = $2 AND order
 // queues.
 const explainRiverOrderSQL = `
 SELECT k.queue, k.head_job_id, k.head_event_id, coalesce(r.state::text, ''), k.parked_at, coalesce(k.parked_state, ''),
-       (SELECT count(*) FROM outbox_ordering_wait w
-        WHERE w.tenant_id = k.tenant_id AND w.ordering_key = k.ordering_key AND w.queue = k.queue),
-       (SELECT count(*) FROM outbox_ordering_wait w
-        WHERE w.tenant_id = k.tenant_id AND w.ordering_key = k.ordering_key AND w.queue = k.queue AND w.position < $4)
+       w.waiting, w.before
 FROM outbox_ordering_key k LEFT JOIN river_job r ON r.id = k.head_job_id
+CROSS JOIN LATERAL (
+    SELECT count(*) AS waiting, count(*) FILTER (WHERE x.position < $4) AS before FROM outbox_ordering_wait x
+    WHERE x.tenant_id = k.tenant_id AND x.ordering_key = k.ordering_key AND x.queue = k.queue) w
 WHERE k.tenant_id = coalesce($1, '') AND k.ordering_key = $2 AND k.queue = ANY($3::text[])`
 
 // explainOrdering reads where a keyed event stands in its key's order.

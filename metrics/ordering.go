@@ -101,9 +101,9 @@ h AS (
     WHERE f.status = 'failed' AND f.ordering_key IS NOT NULL
       AND EXISTS (
           SELECT 1 FROM outbox_event e
-          WHERE e.ordering_key IS NOT NULL AND e.status IN ('pending', 'processing', 'failed')
+          WHERE e.ordering_key IS NOT NULL AND e.status IN ('pending', 'processing')
             AND coalesce(e.tenant_id, '') = coalesce(f.tenant_id, '') AND e.ordering_key = f.ordering_key
-            AND e.ordering_position > f.ordering_position AND e.status = 'pending')
+            AND e.ordering_position > f.ordering_position)
 )
 SELECT k.keys, k.discarded, k.cancelled, k.deleted, w.waiting, wp.waiting,
        coalesce(extract(epoch FROM now() - w.oldest), 0)::float8,
