@@ -110,10 +110,7 @@ func CheckEventList(opts EventListOpts) (EventListOpts, error) {
 		if v == "" {
 			continue
 		}
-		if err := filter.CheckText(flag, v); err != nil {
-			if fe, ok := errors.AsType[*filter.Error](err); ok {
-				return opts, &SelectionError{Flag: fe.Flag, Msg: fe.Msg}
-			}
+		if err := checkText(flag, v); err != nil {
 			return opts, err
 		}
 	}
@@ -186,4 +183,16 @@ func (c *Client) EventOfJob(ctx context.Context, jobID int64) (int64, error) {
 		return 0, fmt.Errorf("job %d of River carries no outbox event (neither metadata nor envelope args): %w", jobID, ErrNotFound)
 	}
 	return *id, nil
+}
+
+// checkText checks a free-text selection value (filter.CheckText: valid
+// UTF-8, no NUL, bounded), as a *SelectionError naming flag.
+func checkText(flag, v string) error {
+	if err := filter.CheckText(flag, v); err != nil {
+		if fe, ok := errors.AsType[*filter.Error](err); ok {
+			return &SelectionError{Flag: fe.Flag, Msg: fe.Msg}
+		}
+		return err
+	}
+	return nil
 }

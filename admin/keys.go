@@ -184,8 +184,8 @@ func CheckKeys(f KeysFilter) (KeysFilter, error) {
 		return f, &SelectionError{Flag: "limit", Msg: fmt.Sprintf("%d is out of range: use 1 to %d", f.Limit, MaxKeysLimit)}
 	}
 	for _, t := range []struct{ flag, v string }{{"tenant", f.Tenant}, {"key", f.Key}, {"queue", f.Queue}} {
-		if strings.ContainsRune(t.v, 0) {
-			return f, &SelectionError{Flag: t.flag, Msg: "must not contain NUL characters"}
+		if err := checkText(t.flag, t.v); err != nil {
+			return f, err
 		}
 	}
 	return f, nil

@@ -53,7 +53,7 @@ func TestStatsShowParkedKeysAndAlert(t *testing.T) {
 	}
 	o := st.Ordering
 	if o.Keys != 1 || o.Parked != 1 || o.ParkedByState["discarded"] != 1 || o.Waiting != 2 || o.WaitingParked != 2 || o.HeldKeys != 1 ||
-		o.OldestParkedWaitS <= 0 || o.OldestWaitS < o.OldestParkedWaitS || o.OldestParkedAgeS < 0 {
+		o.OldestParkedWaitS <= 0 || o.OldestWaitS < o.OldestParkedWaitS || o.OldestParkedAgeS < 0 || o.OldestParkedAgeS > 120 {
 		t.Fatalf("ordering %+v: want 1 key parked (discarded) with 2 jobs behind it, 1 held key", o)
 	}
 	// The failed event alerts too (events_failed): it holds order-7.

@@ -70,10 +70,7 @@ func printKeys(w io.Writer, res *admin.KeyList) {
 		}
 		lastErr := "-"
 		if k.Head.LastError != nil {
-			lastErr = firstLine(*k.Head.LastError)
-			if len(lastErr) > 80 {
-				lastErr = truncate(lastErr, 80)
-			}
+			lastErr = truncate(firstLine(*k.Head.LastError), 80)
 		}
 		wait := "-"
 		if k.OldestWaitingSince != nil {
@@ -105,9 +102,13 @@ func headText(k admin.KeyAttention) string {
 	return fmt.Sprintf("job %d (event %s) %s %d/%d", *k.Head.JobID, event, clean(k.Head.State), k.Head.Attempt, k.Head.MaxAttempts)
 }
 
-// truncate cuts s to at most n bytes on a rune boundary, marking the cut.
+// truncate cuts s to at most n bytes on a rune boundary, marking the cut;
+// a shorter s is returned as it is.
 func truncate(s string, n int) string {
-	for n > 0 && n < len(s) && s[n]&0xC0 == 0x80 {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && s[n]&0xC0 == 0x80 {
 		n--
 	}
 	return s[:n] + "…"
