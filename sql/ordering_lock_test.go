@@ -1,0 +1,184 @@
+package outboxsql_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxhq/outbox/internal/pgtest"
+)
+
+// orderedJob inserts an ordered River job of key k at position pos, as a
+// handoff does (the enqueue trigger makes it the head or queues it), with
+// q (a pool, or a transaction left open), and returns its id and state.
+func orderedJob(t *testing.T, ctx context.Context, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, k string, pos int64) (int64, string) {
+	t.Helper()
+	var id int64
+	var state string
+	err := q.QueryRow(ctx, `
+		INSERT INTO river_job (kind, args, queue, max_attempts, metadata)
+		VALUES ('order_step', '{}', 'orders', 3, jsonb_build_object('outbox_ordering_key', $1::text, 'outbox_ordering_position', $2::bigint))
+		RETURNING id, state::text`, k, pos).Scan(&id, &state)
+	if err != nil {
+		t.Fatalf("insert job of %q at %d: %v", k, pos, err)
+	}
+	return id, state
+}
+
+// completeJob makes job id run and then completes it, as River's executor
+// and completer do, with the completion under a lock_timeout of wait.
+func completeJob(ctx context.Context, pool *pgxpool.Pool, id int64, wait time.Duration) error {
+	if _, err := pool.Exec(ctx, `UPDATE river_job SET state = 'running', attempt = 1, attempted_at = now() WHERE id = $1 AND state = 'available'`, id); err != nil {
+		return err
+	}
+	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL lock_timeout = '%dms'`, wait.Milliseconds())); err != nil {
+			return err
+		}
+		tag, err := tx.Exec(ctx, `UPDATE river_job SET state = 'completed', finalized_at = now() WHERE id = $1 AND state = 'running'`, id)
+		if err == nil && tag.RowsAffected() != 1 {
+			err = fmt.Errorf("job %d was not running", id)
+		}
+		return err
+	})
+}
+
+func jobState(t *testing.T, ctx context.Context, pool *pgxpool.Pool, id int64) string {
+	t.Helper()
+	var state string
+	if err := pool.QueryRow(ctx, `SELECT state::text FROM river_job WHERE id = $1`, id).Scan(&state); err != nil {
+		t.Fatal(err)
+	}
+	return state
+}
+
+func keyHead(t *testing.T, ctx context.Context, pool *pgxpool.Pool, k string) int64 {
+	t.Helper()
+	var head int64
+	err := pool.QueryRow(ctx, `SELECT head_job_id FROM outbox_ordering_key WHERE tenant_id = '' AND ordering_key = $1 AND queue = 'orders'`, k).Scan(&head)
+	if err == pgx.ErrNoRows {
+		return 0
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return head
+}
+
+// TestReleaseDoesNotWaitForAHandoffQueueingBehind: while a handoff that
+// queues a job behind a key's head is still open, the head's completion
+// releases the job already waiting at once (migration 013: the handoff
+// holds the key's row FOR KEY SHARE, the release FOR NO KEY UPDATE). Under
+// 012 the completion waited for the handoff's commit and ran into its
+// lock_timeout. The job the handoff queued waits its turn and is released
+// by the next completion.
+func TestReleaseDoesNotWaitForAHandoffQueueingBehind(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+
+	head, state := orderedJob(t, ctx, s.Pool, "k", 1)
+	if state != "available" {
+		t.Fatalf("first job is %s, want available (the head)", state)
+	}
+	next, state := orderedJob(t, ctx, s.Pool, "k", 2)
+	if state != "pending" {
+		t.Fatalf("second job is %s, want pending", state)
+	}
+	handoff, err := s.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = handoff.Rollback(context.Background()) }()
+	last, state := orderedJob(t, ctx, handoff, "k", 3)
+	if state != "pending" {
+		t.Fatalf("third job is %s, want pending", state)
+	}
+
+	if err := completeJob(ctx, s.Pool, head, 3*time.Second); err != nil {
+		t.Fatalf("completing the head while a handoff queues behind it: %v", err)
+	}
+	if got := jobState(t, ctx, s.Pool, next); got != "available" {
+		t.Fatalf("the waiting job is %s after the head completed, want available", got)
+	}
+	if got := keyHead(t, ctx, s.Pool, "k"); got != next {
+		t.Fatalf("the key's head is job %d, want %d", got, next)
+	}
+	if err := handoff.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := jobState(t, ctx, s.Pool, last); got != "pending" {
+		t.Fatalf("the handed-off job is %s, want pending behind job %d", got, next)
+	}
+	if err := completeJob(ctx, s.Pool, next, 3*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if got := jobState(t, ctx, s.Pool, last); got != "available" {
+		t.Fatalf("the last job is %s after its predecessor completed, want available", got)
+	}
+	if got := keyHead(t, ctx, s.Pool, "k"); got != last {
+		t.Fatalf("the key's head is job %d, want %d", got, last)
+	}
+}
+
+// TestReleaseOfAnEmptyLineWaitsForAHandoff: when a key's head completes
+// with no job in line but a handoff still open has queued one behind it
+// (invisible to the release), the release waits for the handoff and then
+// releases that job; it never deletes the key's row and strands the job
+// pending.
+func TestReleaseOfAnEmptyLineWaitsForAHandoff(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+
+	head, state := orderedJob(t, ctx, s.Pool, "k", 1)
+	if state != "available" {
+		t.Fatalf("first job is %s, want available (the head)", state)
+	}
+	handoff, err := s.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = handoff.Rollback(context.Background()) }()
+	var handoffPID int
+	if err := handoff.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&handoffPID); err != nil {
+		t.Fatal(err)
+	}
+	queued, state := orderedJob(t, ctx, handoff, "k", 2)
+	if state != "pending" {
+		t.Fatalf("second job is %s, want pending", state)
+	}
+
+	done := make(chan error, 1)
+	go func() { done <- completeJob(ctx, s.Pool, head, 30*time.Second) }()
+	pgtest.WaitFor(t, 20*time.Second, "the completion waits for the handoff", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM pg_locks l JOIN pg_locks h ON h.transactionid = l.transactionid
+			WHERE NOT l.granted AND l.locktype = 'transactionid' AND h.granted AND h.pid = $1`, handoffPID) == 1
+	})
+	select {
+	case err := <-done:
+		t.Fatalf("the completion returned (%v) before the handoff committed", err)
+	default:
+	}
+	if err := handoff.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("completing the head: %v", err)
+	}
+	if got := jobState(t, ctx, s.Pool, queued); got != "available" {
+		t.Fatalf("the job the handoff queued is %s after the head completed, want available", got)
+	}
+	if got := keyHead(t, ctx, s.Pool, "k"); got != queued {
+		t.Fatalf("the key's head is job %d, want %d", got, queued)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_wait`); n != 0 {
+		t.Fatalf("%d jobs left in line, want 0", n)
+	}
+}
