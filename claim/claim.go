@@ -80,6 +80,12 @@ func (p Position) After(q Position) bool {
 	return p.ScheduledAt.After(q.ScheduledAt) || (p.ScheduledAt.Equal(q.ScheduledAt) && p.ID > q.ID)
 }
 
+// Before returns the position just before p in claim order: BatchAfter
+// from it claims p first.
+func (p Position) Before() Position {
+	return Position{ScheduledAt: p.ScheduledAt, ID: p.ID - 1}
+}
+
 // claimSQL locks up to $1 due pending events. The partial index
 // outbox_event_claim_idx (scheduled_at, id) WHERE status = 'pending' makes
 // this an index range scan that stops after $1 rows; SKIP LOCKED lets
@@ -341,6 +347,11 @@ type Result struct {
 	// pending and due: another batch holds it, so claiming again shortly
 	// hands the waiting one off.
 	BlockedSoon bool
+	// SoonFrom is, when BlockedSoon, the claim-order position of the first
+	// such event: a drain continues from just before it (Position.Before),
+	// so that it hands those events off once the batch that holds their
+	// predecessors commits, instead of leaving them to the next drain.
+	SoonFrom Position
 	// Handed lists the handed-off events, in claim order (metrics count
 	// them by route and time them; benchmarks time each by id).
 	Handed []Handed
@@ -373,6 +384,9 @@ func (r *Result) add(o Result) {
 	r.DeadLettered += o.DeadLettered
 	r.Skipped += o.Skipped
 	r.Blocked += o.Blocked
+	if o.BlockedSoon && (!r.BlockedSoon || r.SoonFrom.After(o.SoonFrom)) {
+		r.SoonFrom = o.SoonFrom
+	}
 	r.BlockedSoon = r.BlockedSoon || o.BlockedSoon
 	r.TimedOut += o.TimedOut
 	r.Handed = append(r.Handed, o.Handed...)
@@ -719,7 +733,14 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		scope, keyed := scopeOf(e)
 		if e.blocked || (keyed && stopped[scope]) {
 			res.Blocked++
-			res.BlockedSoon = res.BlockedSoon || e.soon
+			if e.soon {
+				// inKeyOrder moved the key's events together: the first in
+				// claim order is the smallest position, not the first seen.
+				if p := (Position{ScheduledAt: e.ScheduledAt, ID: e.ID}); !res.BlockedSoon || res.SoonFrom.After(p) {
+					res.SoonFrom = p
+				}
+				res.BlockedSoon = true
+			}
 			continue
 		}
 		if e.fault != "" {

@@ -145,7 +145,19 @@ func (dr *drain) pass() (int, bool, error) {
 	}
 	if res.Claimed > 0 {
 		dr.mu.Lock()
-		if dr.at == nil || res.Last.After(*dr.at) {
+		switch {
+		case res.BlockedSoon:
+			// Events wait for earlier events of their keys that a batch in
+			// flight holds: continue from just before the first of them,
+			// even if that moves back (the rows in between are handed off
+			// and only re-read), so that the batch after that one's commit
+			// hands them off. Moving on past them would leave them to the
+			// next drain, and a hot key's backlog would be claimed and
+			// given back by every batch of every drain.
+			if p := res.SoonFrom.Before(); dr.at == nil || dr.at.After(p) {
+				dr.at = &p
+			}
+		case dr.at == nil || res.Last.After(*dr.at):
 			last := res.Last
 			dr.at = &last
 		}
@@ -153,8 +165,16 @@ func (dr *drain) pass() (int, bool, error) {
 		d.record(res)
 	}
 	// Blocked events (waiting for their ordering key) are not work done:
-	// an idle re-check that finds only those goes back to sleep.
-	return res.Claimed - res.Blocked, res.Claimed >= d.cfg.BatchSize || res.More, nil
+	// an idle re-check that finds only those goes back to sleep. A batch
+	// that handed nothing off because its events wait for a batch in
+	// flight is not full either: its worker stops rather than claim and
+	// give back the same events until that batch commits (the batch in
+	// flight goes on with them; the loop claims again shortly).
+	full := res.Claimed >= d.cfg.BatchSize || res.More
+	if res.BlockedSoon && res.Blocked == res.Claimed {
+		full = false
+	}
+	return res.Claimed - res.Blocked, full, nil
 }
 
 // record counts a batch that claimed events and reports it (OnBatch).
