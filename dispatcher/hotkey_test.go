@@ -1,6 +1,7 @@
 package dispatcher_test
 
 import (
+	"context"
 	"encoding/json"
 	"sync"
 	"testing"
@@ -74,4 +75,94 @@ func TestHotKeyBacklogIsNotClaimedOverAndOver(t *testing.T) {
 		WHERE x.pos <= x.prev`); v != 0 {
 		t.Fatalf("%d River jobs inserted out of position order", v)
 	}
+}
+
+// keyBacklog publishes, in one transaction, the head of key "k" (delayed
+// by delay), then n more events of "k" due at once, then m unrelated
+// events: in claim order the head comes after its successors when delayed.
+func keyBacklog(t *testing.T, s *pgtest.Schema, delay time.Duration, n, m int) (head int64) {
+	t.Helper()
+	ctx := pgtest.Context(t, 30*time.Second)
+	events := []outbox.Event{{Type: "mail.user.welcome", Payload: json.RawMessage(`{"head":true}`), OrderingKey: "k"}}
+	if delay > 0 {
+		events[0].NotBefore = time.Now().Add(delay)
+	}
+	for range n {
+		events = append(events, outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(`{}`), OrderingKey: "k"})
+	}
+	for range m {
+		events = append(events, outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(`{"other":true}`)})
+	}
+	var pub []outbox.Published
+	if err := pgx.BeginFunc(ctx, s.Pool, func(tx pgx.Tx) error {
+		var err error
+		pub, err = outbox.PublishMany(ctx, tx, events)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	return pub[0].ID
+}
+
+// TestDrainReachesAnEarlierEventLaterInClaimOrder: a key's first event is
+// delayed, so more than a batch of its later events come before it in
+// claim order. Once it is due, every batch from the start of the claim
+// order finds only events that wait for it, and the drain must go on past
+// them to reach it (it is not held by a batch in flight): all are handed
+// off, and the unrelated events behind them before the head is due.
+func TestDrainReachesAnEarlierEventLaterInClaimOrder(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 20})
+	const n, m = 150, 20
+	head := keyBacklog(t, s, 2*time.Second, n, m)
+	start(t, s.Pool, dispatcher.Config{PollInterval: 200 * time.Millisecond, Concurrency: 4, BatchSize: 100})
+	pgtest.WaitFor(t, 30*time.Second, "the unrelated events handed off", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE ordering_key IS NULL AND status = 'done'`) == m
+	})
+	pgtest.WaitFor(t, 30*time.Second, "every event handed off once the head is due", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done'`) == 1+n+m
+	})
+	var first int64
+	if err := s.Pool.QueryRow(context.Background(), `
+		SELECT (metadata->>'outbox_event_id')::bigint FROM river_job
+		WHERE metadata ? 'outbox_ordering_key' ORDER BY id LIMIT 1`).Scan(&first); err != nil {
+		t.Fatal(err)
+	}
+	if first != head {
+		t.Fatalf("the key's first job is of event %d, want the head %d", first, head)
+	}
+}
+
+// TestDrainGoesPastALockHeldForLong: a transaction that is not a batch
+// holds a key's first event locked (a stalled dispatcher, a session left
+// open). The drain waits at the key's later events only heldPatience (1 s),
+// then goes on past them: the unrelated events behind them are handed
+// off while the lock is held, and the key's events once it is released.
+func TestDrainGoesPastALockHeldForLong(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 20})
+	ctx := pgtest.Context(t, 60*time.Second)
+	const n, m = 150, 20
+	head := keyBacklog(t, s, 0, n, m)
+	holder, err := s.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = holder.Rollback(context.Background()) }()
+	if _, err := holder.Exec(ctx, `SELECT 1 FROM outbox_event WHERE id = $1 FOR UPDATE`, head); err != nil {
+		t.Fatal(err)
+	}
+	start(t, s.Pool, dispatcher.Config{PollInterval: 200 * time.Millisecond, Concurrency: 4, BatchSize: 100})
+	pgtest.WaitFor(t, 30*time.Second, "the unrelated events handed off while the lock is held", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE ordering_key IS NULL AND status = 'done'`) == m
+	})
+	if k := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE ordering_key IS NOT NULL AND status = 'done'`); k != 0 {
+		t.Fatalf("%d events of the key handed off while its first event is locked", k)
+	}
+	if err := holder.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.WaitFor(t, 30*time.Second, "every event handed off once the lock is gone", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done'`) == 1+n+m
+	})
 }
