@@ -182,3 +182,44 @@ func TestReleaseOfAnEmptyLineWaitsForAHandoff(t *testing.T) {
 		t.Fatalf("%d jobs left in line, want 0", n)
 	}
 }
+
+// TestUnparkLocksQueuesInByteOrder: outbox_unpark of every queue of a key
+// locks (and reports) the key's rows in byte order, the order in which a
+// handoff locks them (internal/lockorder), whatever the column's collation
+// (migration 013; under 011, a collation that sorts "a" before "B" made it
+// lock in the other order than a handoff, and the two could deadlock).
+func TestUnparkLocksQueuesInByteOrder(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	if _, err := s.Pool.Exec(ctx, `ALTER TABLE outbox_ordering_key ALTER COLUMN queue TYPE text COLLATE "und-x-icu"`); err != nil {
+		t.Skipf("no ICU collation to sort by: %v", err)
+	}
+	if _, err := s.Pool.Exec(ctx, `
+		INSERT INTO outbox_ordering_key (tenant_id, ordering_key, queue, head_job_id, head_position, parked_at, parked_state)
+		VALUES ('', 'k', 'a', 1, 1, now(), 'discarded'), ('', 'k', 'B', 2, 1, now(), 'discarded')`); err != nil {
+		t.Fatal(err)
+	}
+	var byCollation []string
+	rows, err := s.Pool.Query(ctx, `SELECT queue FROM outbox_ordering_key ORDER BY queue`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if byCollation, err = pgx.CollectRows(rows, pgx.RowTo[string]); err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(byCollation) != "[a B]" {
+		t.Fatalf("the column's collation sorts %v: the test needs one that sorts a before B", byCollation)
+	}
+	rows, err = s.Pool.Query(ctx, `SELECT o_queue FROM outbox_unpark('test', true, 'k', 'skip')`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(got) != "[B a]" {
+		t.Fatalf("outbox_unpark went through the queues as %v, want byte order [B a]", got)
+	}
+}

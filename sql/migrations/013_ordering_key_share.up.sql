@@ -1,5 +1,5 @@
 -- 013: the handoff no longer makes a key's release wait for it. Same
--- guarantee and same tables as 011 and 012; three functions are replaced
+-- guarantee and same tables as 011 and 012; four functions are replaced
 -- (docs/ordering.md, "How it works"):
 --
 -- - outbox_ordering_enqueue locks an existing key row FOR KEY SHARE, not
@@ -19,6 +19,11 @@
 --   every earlier event of its key was handed off before (011's header), so
 --   a handoff still in flight only queues jobs behind those already
 --   committed.
+--
+-- - outbox_unpark locks a key's parked rows in byte order (COLLATE "C"),
+--   the order in which a handoff locks them (internal/lockorder); 011
+--   sorted them by the database's collation, in which two queue names can
+--   sort the other way round.
 --
 -- Deadlock freedom is unchanged: a release waits for a handoff only in the
 -- FOR UPDATE of a key it is about to delete, a handoff waits for a release
@@ -162,6 +167,92 @@ BEGIN
 END
 $$;
 
+CREATE OR REPLACE FUNCTION outbox_unpark(
+    actor        text,
+    dry_run      boolean,
+    ordering_key text,
+    action       text,
+    tenant_id    text DEFAULT NULL,
+    queue        text DEFAULT NULL,
+    reason       text DEFAULT NULL
+) RETURNS TABLE (o_queue text, o_head_job_id bigint, o_head_event_id bigint, o_parked_state text, o_waiting bigint, o_audit_id bigint)
+LANGUAGE plpgsql SECURITY DEFINER AS $$
+#variable_conflict use_variable
+DECLARE
+    k          record;
+    v_affected int := 0;
+    v_rows     jsonb := '[]';
+    v_audit_id bigint;
+    v_schema   text := current_schema();
+BEGIN
+    IF actor IS NULL OR octet_length(actor) NOT BETWEEN 1 AND 256 THEN
+        RAISE EXCEPTION 'outbox_unpark: actor must be 1 to 256 bytes' USING ERRCODE = '22023';
+    END IF;
+    IF dry_run IS NULL THEN
+        RAISE EXCEPTION 'outbox_unpark: dry_run is required' USING ERRCODE = '22023';
+    END IF;
+    IF ordering_key IS NULL THEN
+        RAISE EXCEPTION 'outbox_unpark: ordering_key is required' USING ERRCODE = '22023';
+    END IF;
+    IF action IS NULL OR action NOT IN ('retry', 'skip') THEN
+        RAISE EXCEPTION 'outbox_unpark: action must be retry or skip (got %)', coalesce(quote_literal(action), 'NULL')
+            USING ERRCODE = '22023', HINT = 'retry runs the parked head job again; skip leaves it and releases the next job of the key';
+    END IF;
+    FOR k IN
+        SELECT x.*, (SELECT count(*) FROM outbox_ordering_wait w
+                     WHERE w.tenant_id = x.tenant_id AND w.ordering_key = x.ordering_key AND w.queue = x.queue) AS waiting
+        FROM outbox_ordering_key x
+        WHERE x.tenant_id = coalesce(outbox_unpark.tenant_id, '') AND x.ordering_key = outbox_unpark.ordering_key
+          AND (outbox_unpark.queue IS NULL OR x.queue = outbox_unpark.queue)
+          AND x.parked_at IS NOT NULL
+        -- Byte order (COLLATE "C"), the order in which a handoff locks
+        -- the key's rows (internal/lockorder): under the database's
+        -- collation two queues can sort the other way, and an unpark of
+        -- every queue of a key could deadlock with a handoff into them.
+        ORDER BY x.queue COLLATE "C"
+        FOR UPDATE
+    LOOP
+        IF action = 'retry' AND k.parked_state = 'deleted' THEN
+            RAISE EXCEPTION 'outbox_unpark: the head job % of key % in queue % was deleted and cannot be retried', k.head_job_id, quote_literal(k.ordering_key), quote_literal(k.queue)
+                USING ERRCODE = '22023', HINT = 'skip it, and requeue its event (allow replay) if it must still run';
+        END IF;
+        IF NOT dry_run THEN
+            IF action = 'retry' THEN
+                -- The settled trigger clears the parking when the state changes.
+                UPDATE river_job r
+                SET state = 'available', scheduled_at = now(), finalized_at = NULL,
+                    max_attempts = greatest(r.max_attempts, r.attempt + 1),
+                    -- River's own retry drops its cancel mark too: left in
+                    -- place, River cancels the job at its next failure.
+                    metadata = r.metadata - 'cancel_attempted_at'
+                WHERE r.id = k.head_job_id;
+                IF NOT FOUND THEN
+                    RAISE EXCEPTION 'outbox_unpark: the head job % of key % in queue % no longer exists (River''s cleaner deletes old discarded jobs) and cannot be retried', k.head_job_id, quote_literal(k.ordering_key), quote_literal(k.queue)
+                        USING ERRCODE = '22023', HINT = 'skip it, and requeue its event (allow replay) if it must still run';
+                END IF;
+                PERFORM pg_notify(v_schema || '.river_insert', json_build_object('queue', k.queue)::text);
+            ELSE
+                PERFORM outbox_ordering_advance(k.tenant_id, k.ordering_key, k.queue, v_schema);
+            END IF;
+        END IF;
+        v_affected := v_affected + 1;
+        v_rows := v_rows || jsonb_build_object('queue', k.queue, 'head_job_id', k.head_job_id, 'head_event_id', k.head_event_id,
+                                               'parked_state', k.parked_state, 'waiting', k.waiting);
+    END LOOP;
+    IF NOT dry_run AND v_affected > 0 THEN
+        INSERT INTO outbox_audit (actor, db_user, action, filter, affected, detail)
+        VALUES (actor, session_user, 'unpark',
+                jsonb_strip_nulls(jsonb_build_object('ordering_key', ordering_key, 'tenant', tenant_id, 'queue', queue, 'action', action)),
+                v_affected,
+                jsonb_strip_nulls(jsonb_build_object('keys', v_rows, 'reason', reason)))
+        RETURNING id INTO v_audit_id;
+    END IF;
+    RETURN QUERY
+    SELECT r.queue, r.head_job_id, r.head_event_id, r.parked_state, r.waiting, v_audit_id
+    FROM jsonb_to_recordset(v_rows) AS r(queue text, head_job_id bigint, head_event_id bigint, parked_state text, waiting bigint);
+END
+$$;
+
 DO $$
 DECLARE
     f regprocedure;
@@ -169,7 +260,8 @@ BEGIN
     FOREACH f IN ARRAY ARRAY[
         'outbox_ordering_enqueue()',
         'outbox_ordering_advance(text, text, text, text)',
-        'outbox_ordering_settled()']::regprocedure[]
+        'outbox_ordering_settled()',
+        'outbox_unpark(text, boolean, text, text, text, text, text)']::regprocedure[]
     LOOP
         EXECUTE format('ALTER FUNCTION %s SET search_path = %I, pg_temp', f, current_schema());
         EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', f);
