@@ -65,12 +65,8 @@ type Event struct {
 	// blocked: an earlier event of the same ordering key is still pending,
 	// processing or failed outside this batch, so this one must wait (see
 	// ordered); soon: one of those is pending and due, so it is in another
-	// batch's hands (or cut from this one, or later in claim order) and
-	// will be handed off shortly; blocker is then that event's claim-order
-	// position. held: soon, and a batch in flight holds the blocker (see
-	// markHeld).
-	blocked, soon, held bool
-	blocker             Position
+	// batch's hands (or cut from this one) and will be handed off shortly.
+	blocked, soon bool
 }
 
 // Position is a place in claim order, (scheduled_at, id).
@@ -82,12 +78,6 @@ type Position struct {
 // After reports whether p comes after q in claim order.
 func (p Position) After(q Position) bool {
 	return p.ScheduledAt.After(q.ScheduledAt) || (p.ScheduledAt.Equal(q.ScheduledAt) && p.ID > q.ID)
-}
-
-// Before returns the position just before p in claim order: BatchAfter
-// from it claims p first.
-func (p Position) Before() Position {
-	return Position{ScheduledAt: p.ScheduledAt, ID: p.ID - 1}
 }
 
 // claimSQL locks up to $1 due pending events. The partial index
@@ -177,10 +167,9 @@ WHERE f.n2 = 1 OR f.size_upto <= $2`)
 // only unfinished keyed events, past the batch's own rows, which the
 // hashed NOT IN skips); the batch's events of that key after it are
 // blocked. soon says that event is pending and due: another batch holds it
-// (or the byte budget cut it from this one, or it comes later in claim
-// order), and the drain claims again shortly instead of waiting for the
-// next wake; blocker_at and blocker_id are then its claim-order position
-// (see markHeld). Events without a key skip all of it.
+// (or the byte budget cut it from this one), and the drain claims again
+// shortly instead of waiting for the next wake. Events without a key skip
+// all of it.
 func ordered(kept string) string {
 	return `
 WITH kept AS (` + kept + `),
@@ -188,9 +177,9 @@ keys AS (
     SELECT DISTINCT COALESCE(tenant_id, '') AS tenant, ordering_key AS key FROM kept WHERE ordering_key IS NOT NULL
 ),
 firsts AS (
-    SELECT keys.tenant, keys.key, f.ordering_position AS position, f.soon, f.scheduled_at, f.id
+    SELECT keys.tenant, keys.key, f.ordering_position AS position, f.soon
     FROM keys CROSS JOIN LATERAL (
-        SELECT p.ordering_position, (p.status = 'pending' AND p.scheduled_at <= now()) AS soon, p.scheduled_at, p.id
+        SELECT p.ordering_position, (p.status = 'pending' AND p.scheduled_at <= now()) AS soon
         FROM outbox_event p
         WHERE COALESCE(p.tenant_id, '') = keys.tenant AND p.ordering_key = keys.key
           AND p.status IN ('pending', 'processing', 'failed')
@@ -201,9 +190,7 @@ firsts AS (
 )
 SELECT k.id, k.event_type, k.tenant_id, k.payload, k.size, k.dispatch_key, k.retries, k.created_at, k.scheduled_at,
        k.trace_context, k.ordering_key, k.ordering_position, k.has_next,
-       f.position < k.ordering_position AS blocked, f.position < k.ordering_position AND f.soon AS soon,
-       CASE WHEN f.position < k.ordering_position AND f.soon THEN f.scheduled_at END AS blocker_at,
-       CASE WHEN f.position < k.ordering_position AND f.soon THEN f.id END AS blocker_id
+       f.position < k.ordering_position AS blocked, f.position < k.ordering_position AND f.soon AS soon
 FROM kept k
 LEFT JOIN firsts f ON k.ordering_key IS NOT NULL AND f.tenant = COALESCE(k.tenant_id, '') AND f.key = k.ordering_key
 ORDER BY k.scheduled_at, k.id`
@@ -354,20 +341,6 @@ type Result struct {
 	// pending and due: another batch holds it, so claiming again shortly
 	// hands the waiting one off.
 	BlockedSoon bool
-	// Held counts the blocked events whose earlier event a batch in flight
-	// holds (it lies in the range this claim scanned, and SKIP LOCKED
-	// passed it over); HeldFrom is the claim-order position of the first of
-	// them. A drain continues from just before it (Position.Before), so
-	// that it hands them off once that batch commits instead of leaving
-	// them to the next drain. An earlier event that comes later in claim
-	// order (backing off, not due when its successors were) does not count:
-	// the drain must go on to reach it.
-	Held     int
-	HeldFrom Position
-	// HeldOn is the claim-order position of the earlier event that the
-	// event at HeldFrom waits for (the dispatcher notices a lock that is
-	// held for long by seeing the same one again).
-	HeldOn Position
 	// Handed lists the handed-off events, in claim order (metrics count
 	// them by route and time them; benchmarks time each by id).
 	Handed []Handed
@@ -400,10 +373,6 @@ func (r *Result) add(o Result) {
 	r.DeadLettered += o.DeadLettered
 	r.Skipped += o.Skipped
 	r.Blocked += o.Blocked
-	if o.Held > 0 && (r.Held == 0 || r.HeldFrom.After(o.HeldFrom)) {
-		r.HeldFrom, r.HeldOn = o.HeldFrom, o.HeldOn
-	}
-	r.Held += o.Held
 	r.BlockedSoon = r.BlockedSoon || o.BlockedSoon
 	r.TimedOut += o.TimedOut
 	r.Handed = append(r.Handed, o.Handed...)
@@ -424,7 +393,7 @@ func (h *Handoff) Rescue(ctx context.Context) (int64, error) {
 // rolled back and every claimed event is retried in its own transaction.
 // An error means the batch could not run at all (nothing changed).
 func (h *Handoff) Batch(ctx context.Context, limit int) (Result, error) {
-	return h.batch(ctx, nil, budgetedClaimSQL, limit, h.batchBytes(), outbox.MaxPayloadBytes)
+	return h.batch(ctx, budgetedClaimSQL, limit, h.batchBytes(), outbox.MaxPayloadBytes)
 }
 
 func (h *Handoff) batchBytes() int {
@@ -438,27 +407,10 @@ func (h *Handoff) batchBytes() int {
 // the continuation of a drain (see claimAfterSQL). It may miss events
 // behind the position; a later Batch finds them.
 func (h *Handoff) BatchAfter(ctx context.Context, limit int, after Position) (Result, error) {
-	return h.batch(ctx, &after, budgetedClaimAfterSQL, limit, h.batchBytes(), outbox.MaxPayloadBytes, after.ScheduledAt, after.ID)
+	return h.batch(ctx, budgetedClaimAfterSQL, limit, h.batchBytes(), outbox.MaxPayloadBytes, after.ScheduledAt, after.ID)
 }
 
-// markHeld marks the soon events (see Event) whose blocker lies in the
-// range the claim scanned: after the position it started after (after;
-// nil for the whole claim order) and before the last row it returned. The
-// claim's statement saw the blocker pending and due there, so SKIP LOCKED
-// passed it over: another transaction holds it, normally a batch in flight
-// that hands it off shortly (or, if that batch committed meanwhile, it is
-// already handed off). A blocker later in claim order is not held: the
-// drain must go on to reach it.
-func markHeld(events []Event, after *Position, last Position) {
-	for i := range events {
-		e := &events[i]
-		e.held = e.soon && last.After(e.blocker) && (after == nil || e.blocker.After(*after))
-	}
-}
-
-// batch claims with sql and args (after: the position claimAfterSQL starts
-// after, nil for claimSQL) and hands the batch off.
-func (h *Handoff) batch(ctx context.Context, after *Position, sql string, args ...any) (Result, error) {
+func (h *Handoff) batch(ctx context.Context, sql string, args ...any) (Result, error) {
 	var res Result
 	conn, err := h.Pool.Acquire(ctx)
 	if err != nil {
@@ -477,7 +429,6 @@ func (h *Handoff) batch(ctx context.Context, after *Position, sql string, args .
 	if n := len(events); n > 0 {
 		res.More = events[n-1].more
 		res.Last = Position{ScheduledAt: events[n-1].ScheduledAt, ID: events[n-1].ID}
-		markHeld(events, after, res.Last)
 	}
 	if len(events) == 0 {
 		// Nothing locked, nothing written.
@@ -699,15 +650,10 @@ func scanEvent(row pgx.CollectableRow) (Event, error) {
 		traceContext       *string
 		position           *int64
 		isBlocked, soon    *bool
-		blockerAt          pgtype.Timestamptz
-		blockerID          *int64
 		size               int
 	)
-	if err := row.Scan(&e.ID, &e.Type, &e.TenantID, (*[]byte)(&e.Payload), &size, &e.DispatchKey, &e.Retries, &created, &scheduled, &traceContext, &e.OrderingKey, &position, &e.more, &isBlocked, &soon, &blockerAt, &blockerID); err != nil {
+	if err := row.Scan(&e.ID, &e.Type, &e.TenantID, (*[]byte)(&e.Payload), &size, &e.DispatchKey, &e.Retries, &created, &scheduled, &traceContext, &e.OrderingKey, &position, &e.more, &isBlocked, &soon); err != nil {
 		return e, err
-	}
-	if blockerID != nil && blockerAt.Valid && blockerAt.InfinityModifier == pgtype.Finite {
-		e.blocker = Position{ScheduledAt: blockerAt.Time, ID: *blockerID}
 	}
 	if position != nil {
 		e.OrderingPosition = *position
@@ -774,14 +720,6 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		if e.blocked || (keyed && stopped[scope]) {
 			res.Blocked++
 			res.BlockedSoon = res.BlockedSoon || e.soon
-			if e.blocked && e.held {
-				// inKeyOrder moved the key's events together: the first in
-				// claim order is the smallest position, not the first seen.
-				if p := (Position{ScheduledAt: e.ScheduledAt, ID: e.ID}); res.Held == 0 || res.HeldFrom.After(p) {
-					res.HeldFrom, res.HeldOn = p, e.blocker
-				}
-				res.Held++
-			}
 			continue
 		}
 		if e.fault != "" {

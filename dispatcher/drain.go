@@ -31,16 +31,6 @@ type drain struct {
 	// soon: a batch left an ordered event waiting for an earlier one that
 	// another batch holds (claim.Result.BlockedSoon).
 	soon atomic.Bool
-	// passHeld makes the drain go on past held events (claim.Result.Held)
-	// as past any blocked ones, instead of waiting for them: the loop sets
-	// it when the same earlier event has been held for longer than
-	// heldPatience, so that a lock nobody lets go of (a stalled dispatcher's
-	// transaction, a session left open) cannot stop the drain at its events.
-	passHeld bool
-	// stuckOn is set when the drain's first batch handed nothing off
-	// because a batch in flight holds the earlier events of its events:
-	// the position of the first of those (claim.Result.HeldOn).
-	stuckOn *claim.Position
 }
 
 func (d *Dispatcher) newDrain(work, run context.Context) *drain {
@@ -50,8 +40,7 @@ func (d *Dispatcher) newDrain(work, run context.Context) *drain {
 // all claims one batch and, when it comes back full, goes on with several
 // batches in flight (parallel). It returns the events claimed.
 func (dr *drain) all() (int, error) {
-	n, full, stuck, err := dr.pass()
-	dr.stuckOn = stuck
+	n, full, err := dr.pass()
 	if err != nil || !full || dr.run.Err() != nil {
 		return n, err
 	}
@@ -86,7 +75,7 @@ func (dr *drain) parallel() (int, error) {
 					return
 				default:
 				}
-				n, full, _, err := dr.pass()
+				n, full, err := dr.pass()
 				claimed.Add(int64(n))
 				if err != nil {
 					errOnce.Do(func() { first = err })
@@ -130,44 +119,33 @@ func (dr *drain) parallel() (int, error) {
 }
 
 // pass runs one batch and returns how many events it claimed and whether
-// the batch was full (by count, or cut by the byte budget with more due);
-// stuck is the earlier event a batch in flight holds when the batch handed
-// nothing off because of it (claim.Result.HeldOn).
+// the batch was full (by count, or cut by the byte budget with more due).
 // Each transaction of the pass is bounded by BatchTimeout
 // (claim.Handoff.Timeout), so that a batch that times out can be retried
 // event by event to find the slow event.
-func (dr *drain) pass() (n int, full bool, stuck *claim.Position, err error) {
+func (dr *drain) pass() (int, bool, error) {
 	d := dr.d
 	dr.mu.Lock()
 	at := dr.at
 	dr.mu.Unlock()
-	var res claim.Result
+	var (
+		res claim.Result
+		err error
+	)
 	if at != nil {
 		res, err = d.handoff.BatchAfter(dr.work, d.cfg.BatchSize, *at)
 	} else {
 		res, err = d.handoff.Batch(dr.work, d.cfg.BatchSize)
 	}
 	if err != nil {
-		return 0, false, nil, err
+		return 0, false, err
 	}
 	if res.BlockedSoon {
 		dr.soon.Store(true)
 	}
 	if res.Claimed > 0 {
 		dr.mu.Lock()
-		switch {
-		case res.Held > 0 && !dr.passHeld:
-			// Events wait for earlier events of their keys that a batch in
-			// flight holds: continue from just before the first of them,
-			// even if that moves back (the rows in between are handed off
-			// and only re-read), so that the batch after that one's commit
-			// hands them off. Moving on past them would leave them to the
-			// next drain, and a hot key's backlog would be claimed and
-			// given back by every batch of every drain.
-			if p := res.HeldFrom.Before(); dr.at == nil || dr.at.After(p) {
-				dr.at = &p
-			}
-		case dr.at == nil || res.Last.After(*dr.at):
+		if dr.at == nil || res.Last.After(*dr.at) {
 			last := res.Last
 			dr.at = &last
 		}
@@ -175,21 +153,8 @@ func (dr *drain) pass() (n int, full bool, stuck *claim.Position, err error) {
 		d.record(res)
 	}
 	// Blocked events (waiting for their ordering key) are not work done:
-	// an idle re-check that finds only those goes back to sleep. A batch
-	// that handed nothing off, with events that wait for a batch in
-	// flight, is not full either: its worker stops rather than claim and
-	// give back the same events until that batch commits (the batch in
-	// flight goes on with them; the loop claims again shortly). If it is
-	// the drain's first, the drain ends there, and the loop notes what it
-	// waits for (stuckOn, passHeld), also while it goes on past it.
-	full = res.Claimed >= d.cfg.BatchSize || res.More
-	if res.Held > 0 && res.Blocked == res.Claimed {
-		stuck = &res.HeldOn
-		if !dr.passHeld {
-			full = false
-		}
-	}
-	return res.Claimed - res.Blocked, full, stuck, nil
+	// an idle re-check that finds only those goes back to sleep.
+	return res.Claimed - res.Blocked, res.Claimed >= d.cfg.BatchSize || res.More, nil
 }
 
 // record counts a batch that claimed events and reports it (OnBatch).

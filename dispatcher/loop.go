@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/outboxhq/outbox/alert"
-	"github.com/outboxhq/outbox/claim"
 )
 
 // The data path of one event, step by step, and where each step lives:
@@ -85,19 +84,7 @@ type loop struct {
 	// waits counts consecutive drains that left an ordered event waiting
 	// for an earlier one in another batch's hands (claim.Result.BlockedSoon).
 	waits int
-	// stuckOn is the earlier event that held up the first batch of the
-	// last drains (drain.stuckOn), since stuckSince; nil when the last
-	// drain's first batch was not held up.
-	stuckOn    *claim.Position
-	stuckSince time.Time
 }
-
-// heldPatience is how long drains wait at events whose earlier event
-// another transaction holds before they go on past them (drain.passHeld).
-// A batch in flight commits in milliseconds; a lock held this long is
-// not one (a stalled dispatcher, a session left open), and the events
-// behind it must not wait for it.
-const heldPatience = time.Second
 
 // runLoop runs the state machine until it reaches stopping.
 func (d *Dispatcher) runLoop(run, work context.Context) {
@@ -134,14 +121,7 @@ func (l *loop) drain() state {
 		wait = l.d.lock.releaseAsync(l.work, l.d.logger)
 	}
 	dr := l.d.newDrain(l.work, l.run)
-	dr.passHeld = l.stuckOn != nil && time.Since(l.stuckSince) >= heldPatience
 	n, err := dr.all()
-	switch {
-	case dr.stuckOn == nil:
-		l.stuckOn = nil
-	case l.stuckOn == nil || l.stuckOn.ID != dr.stuckOn.ID || !l.stuckOn.ScheduledAt.Equal(dr.stuckOn.ScheduledAt):
-		l.stuckOn, l.stuckSince = dr.stuckOn, time.Now()
-	}
 	if wait != nil {
 		wait()
 	}
@@ -213,7 +193,7 @@ func (l *loop) idle() state {
 		case lockProducers:
 			return draining
 		case lockHeld:
-			n, _, _, err := d.newDrain(l.work, l.run).pass()
+			n, _, err := d.newDrain(l.work, l.run).pass()
 			if err != nil || n > 0 {
 				// Work arrived: drain without the lock.
 				if rerr := d.lock.release(l.work); rerr != nil {
