@@ -2,6 +2,7 @@ package outboxsql_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -62,7 +63,7 @@ func keyHead(t *testing.T, ctx context.Context, pool *pgxpool.Pool, k string) in
 	t.Helper()
 	var head int64
 	err := pool.QueryRow(ctx, `SELECT head_job_id FROM outbox_ordering_key WHERE tenant_id = '' AND ordering_key = $1 AND queue = 'orders'`, k).Scan(&head)
-	if err == pgx.ErrNoRows {
+	if errors.Is(err, pgx.ErrNoRows) {
 		return 0
 	}
 	if err != nil {
