@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxhq/outbox"
@@ -346,32 +345,7 @@ func TestHandoffAnnouncesOnlyRunnableJobs(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
 	ctx := pgtest.Context(t, 60*time.Second)
-	lis, err := pgx.Connect(ctx, s.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = lis.Close(context.WithoutCancel(ctx)) }()
-	channel := s.Name + ".river_insert"
-	if _, err := lis.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize()); err != nil {
-		t.Fatal(err)
-	}
-	// received reads the notifications up to a marker sent after them.
-	received := func() []string {
-		if _, err := s.Pool.Exec(ctx, "SELECT pg_notify($1, 'end')", channel); err != nil {
-			t.Fatal(err)
-		}
-		var got []string
-		for {
-			n, err := lis.WaitForNotification(ctx)
-			if err != nil {
-				t.Fatalf("notifications (got %v): %v", got, err)
-			}
-			if n.Payload == "end" {
-				return got
-			}
-			got = append(got, n.Payload)
-		}
-	}
+	received := s.ListenRiverInsert(t, ctx)
 	// Silent, as the dispatcher's: River's own notification goes by the
 	// state it asked for, not the one the trigger set.
 	h := newHandoff(t, s.Pool, 0, nil)

@@ -1,7 +1,6 @@
 package outboxriver_test
 
 import (
-	"context"
 	"testing"
 	"time"
 
@@ -28,7 +27,7 @@ func TestAnnounceFoldsIntoRiversNotification(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
 	ctx := pgtest.Context(t, 60*time.Second)
-	notes := listenRiverInsert(t, ctx, s)
+	notes := s.ListenRiverInsert(t, ctx)
 
 	ins, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{})
 	if err != nil {
@@ -62,7 +61,7 @@ func TestSilentInsertClientNotifiesOnce(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
 	ctx := pgtest.Context(t, 60*time.Second)
-	notes := listenRiverInsert(t, ctx, s)
+	notes := s.ListenRiverInsert(t, ctx)
 	ins, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{Silent: true})
 	if err != nil {
 		t.Fatal(err)
@@ -78,39 +77,5 @@ func TestSilentInsertClientNotifiesOnce(t *testing.T) {
 	}
 	if n := len(notes()); n != 1 {
 		t.Errorf("River sent %d insert notifications for 3 inserts, want 1 (the first)", n)
-	}
-}
-
-// listenRiverInsert listens on the schema's River insert channel and
-// returns a function that reports the payloads received so far: it sends a
-// last notification from a later transaction, which marks the end of the
-// earlier ones, and reads up to it.
-func listenRiverInsert(t *testing.T, ctx context.Context, s *pgtest.Schema) func() []string {
-	t.Helper()
-	lis, err := pgx.Connect(ctx, s.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = lis.Close(context.WithoutCancel(ctx)) })
-	channel := s.Name + ".river_insert"
-	if _, err := lis.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize()); err != nil {
-		t.Fatal(err)
-	}
-	return func() []string {
-		t.Helper()
-		if _, err := s.Pool.Exec(ctx, "SELECT pg_notify($1, 'end')", channel); err != nil {
-			t.Fatal(err)
-		}
-		var got []string
-		for {
-			n, err := lis.WaitForNotification(ctx)
-			if err != nil {
-				t.Fatalf("wait for the notifications (got %v): %v", got, err)
-			}
-			if n.Payload == "end" {
-				return got
-			}
-			got = append(got, n.Payload)
-		}
 	}
 }

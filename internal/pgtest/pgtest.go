@@ -308,3 +308,38 @@ END $$`)
 		tb.Fatalf("pgtest: lift the payload rules: %v", err)
 	}
 }
+
+// ListenRiverInsert listens on the schema's River insert channel
+// (<schema>.river_insert) and returns a function that reports the payloads
+// received since the last call: it sends a last notification from a later
+// transaction, which marks the end of the earlier ones, and reads up to it.
+// The listening connection is closed at the end of the test.
+func (s *Schema) ListenRiverInsert(tb testing.TB, ctx context.Context) func() []string {
+	tb.Helper()
+	lis, err := pgx.Connect(ctx, s.URL)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _ = lis.Close(context.WithoutCancel(ctx)) })
+	channel := s.Name + ".river_insert"
+	if _, err := lis.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize()); err != nil {
+		tb.Fatal(err)
+	}
+	return func() []string {
+		tb.Helper()
+		if _, err := s.Pool.Exec(ctx, "SELECT pg_notify($1, 'end')", channel); err != nil {
+			tb.Fatal(err)
+		}
+		var got []string
+		for {
+			n, err := lis.WaitForNotification(ctx)
+			if err != nil {
+				tb.Fatalf("wait for the notifications (got %v): %v", got, err)
+			}
+			if n.Payload == "end" {
+				return got
+			}
+			got = append(got, n.Payload)
+		}
+	}
+}
