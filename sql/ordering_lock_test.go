@@ -15,10 +15,11 @@ import (
 
 // orderedJob inserts an ordered River job of key k at position pos, as a
 // handoff does (the enqueue trigger makes it the head or queues it), with
-// q (a pool, or a transaction left open), and returns its id and state.
+// q (a pool, or a transaction left open), checks that it is in state want
+// (available: the head; pending: queued) and returns its id.
 func orderedJob(t *testing.T, ctx context.Context, q interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
-}, k string, pos int64) (int64, string) {
+}, k string, pos int64, want string) int64 {
 	t.Helper()
 	var id int64
 	var state string
@@ -29,7 +30,10 @@ func orderedJob(t *testing.T, ctx context.Context, q interface {
 	if err != nil {
 		t.Fatalf("insert job of %q at %d: %v", k, pos, err)
 	}
-	return id, state
+	if state != want {
+		t.Fatalf("job of %q at %d is %s, want %s", k, pos, state, want)
+	}
+	return id
 }
 
 // completeJob makes job id run and then completes it, as River's executor
@@ -84,23 +88,14 @@ func TestReleaseDoesNotWaitForAHandoffQueueingBehind(t *testing.T) {
 	s := pgtest.NewSchema(t, nil)
 	ctx := pgtest.Context(t, 60*time.Second)
 
-	head, state := orderedJob(t, ctx, s.Pool, "k", 1)
-	if state != "available" {
-		t.Fatalf("first job is %s, want available (the head)", state)
-	}
-	next, state := orderedJob(t, ctx, s.Pool, "k", 2)
-	if state != "pending" {
-		t.Fatalf("second job is %s, want pending", state)
-	}
+	head := orderedJob(t, ctx, s.Pool, "k", 1, "available")
+	next := orderedJob(t, ctx, s.Pool, "k", 2, "pending")
 	handoff, err := s.Pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer func() { _ = handoff.Rollback(context.Background()) }()
-	last, state := orderedJob(t, ctx, handoff, "k", 3)
-	if state != "pending" {
-		t.Fatalf("third job is %s, want pending", state)
-	}
+	last := orderedJob(t, ctx, handoff, "k", 3, "pending")
 
 	if err := completeJob(ctx, s.Pool, head, 3*time.Second); err != nil {
 		t.Fatalf("completing the head while a handoff queues behind it: %v", err)
@@ -138,10 +133,7 @@ func TestReleaseOfAnEmptyLineWaitsForAHandoff(t *testing.T) {
 	s := pgtest.NewSchema(t, nil)
 	ctx := pgtest.Context(t, 60*time.Second)
 
-	head, state := orderedJob(t, ctx, s.Pool, "k", 1)
-	if state != "available" {
-		t.Fatalf("first job is %s, want available (the head)", state)
-	}
+	head := orderedJob(t, ctx, s.Pool, "k", 1, "available")
 	handoff, err := s.Pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -151,10 +143,7 @@ func TestReleaseOfAnEmptyLineWaitsForAHandoff(t *testing.T) {
 	if err := handoff.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&handoffPID); err != nil {
 		t.Fatal(err)
 	}
-	queued, state := orderedJob(t, ctx, handoff, "k", 2)
-	if state != "pending" {
-		t.Fatalf("second job is %s, want pending", state)
-	}
+	queued := orderedJob(t, ctx, handoff, "k", 2, "pending")
 
 	done := make(chan error, 1)
 	go func() { done <- completeJob(ctx, s.Pool, head, 30*time.Second) }()
