@@ -67,8 +67,9 @@ func keyBacklog(t *testing.T, s *pgtest.Schema, delay time.Duration, n, m int) (
 // delayed, so more than a batch of its later events come before it in
 // claim order. Once it is due, every batch from the start of the claim
 // order finds only events that wait for it, and the drain must go on past
-// them to reach it (it is not held by a batch in flight): all are handed
-// off, and the unrelated events behind them before the head is due.
+// them to reach it (it is not held by a batch in flight): the unrelated
+// events behind them and then all the key's events are handed off, the
+// head's job first.
 func TestDrainReachesAnEarlierEventLaterInClaimOrder(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 20})
@@ -94,9 +95,9 @@ func TestDrainReachesAnEarlierEventLaterInClaimOrder(t *testing.T) {
 
 // TestDrainGoesPastALockHeldForLong: a transaction that is not a batch
 // holds a key's first event locked (a stalled dispatcher, a session left
-// open). The drain waits at the key's later events only heldPatience (1 s),
-// then goes on past them: the unrelated events behind them are handed
-// off while the lock is held, and the key's events once it is released.
+// open). The drain does not wait at the key's later events: the unrelated
+// events behind them are handed off while the lock is held, none of the
+// key's, and the key's events once it is released.
 func TestDrainGoesPastALockHeldForLong(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 20})
