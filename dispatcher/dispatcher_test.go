@@ -163,11 +163,12 @@ func TestWakeHandsOffLongBeforePoll(t *testing.T) {
 		<-batches
 	}
 
+	idle := idleWithWakeLock(t, s)
 	for i := range 3 {
-		// Let the dispatcher finish its linger and go idle (it lingers 1
-		// ms after a batch, longer on a busy machine): an event published
-		// while it is still busy is handed off without a wake.
-		time.Sleep(200 * time.Millisecond)
+		// Publish once the dispatcher is idle (it lingers after a batch,
+		// longer on a busy machine): an event published while it is still
+		// busy is handed off without a wake.
+		pgtest.WaitFor(t, 20*time.Second, "the dispatcher idle, holding the wake lock", idle)
 		ids := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(fmt.Sprintf(`{"i":%d}`, i))})
 		select {
 		case r := <-batches:
