@@ -27,9 +27,10 @@ import (
 // MetadataOrderingKey) as soon as its worker returns nil, instead of
 // leaving it to River's batch completer, which writes completions every 50
 // to 250 ms (see orderedCompletion). The ordering trigger of migration 011
-// runs in that transaction: it releases the next job of the key and sends
-// River's insert notification for its queue, so the next job starts
-// within milliseconds of the previous one's end.
+// runs in the completing transaction (one per group of jobs,
+// outbox_ordering_complete of migration 012): it releases the next job of
+// the key and sends River's insert notification for its queue, so the
+// next job starts within milliseconds of the previous one's end.
 //
 // The order itself does not depend on it: without this middleware the
 // jobs of a key still run one at a time and in order, only with River's

