@@ -92,7 +92,7 @@ func run() int {
 	flag.DurationVar(&o.SoakDuration, "soak-duration", 2*time.Minute, "soak: how long the producers run")
 	flag.DurationVar(&o.SoakInterval, "soak-interval", 10*time.Second, "soak: sampling interval")
 	var orderingModes string
-	flag.StringVar(&orderingModes, "ordering-modes", "", "ordering: comma-separated subset of the modes to run: notriggers, unordered, keys, hot (default all; the ratio needs unordered)")
+	flag.StringVar(&orderingModes, "ordering-modes", "", "ordering: comma-separated subset of the modes to run: "+strings.Join(orderingModeNames, ", ")+" (default all; the ratio needs unordered)")
 	flag.IntVar(&o.OrderingKeys, "ordering-keys", 0, "ordering: number of keys of the many-keys mode and events of the hot key (default 10000, quick 1000)")
 	flag.IntVar(&o.Rate, "rate", 200, "latency: events per second")
 	flag.DurationVar(&o.Duration, "duration", 10*time.Second, "latency: duration per mode")
@@ -113,8 +113,8 @@ func run() int {
 	flag.Parse()
 	for _, m := range strings.Split(orderingModes, ",") {
 		if m = strings.TrimSpace(m); m != "" {
-			if !slices.Contains([]string{"notriggers", "unordered", "keys", "hot"}, m) {
-				fmt.Fprintf(os.Stderr, "bench: -ordering-modes: unknown mode %q (want notriggers, unordered, keys or hot)\n", m)
+			if !slices.Contains(orderingModeNames, m) {
+				fmt.Fprintf(os.Stderr, "bench: -ordering-modes: unknown mode %q (want one of %s)\n", m, strings.Join(orderingModeNames, ", "))
 				return 2
 			}
 			o.OrderingModes = append(o.OrderingModes, m)

@@ -96,6 +96,10 @@ type orderRun struct {
 	start, end time.Time
 }
 
+// orderingModeNames are the modes -ordering-modes selects from, in the
+// order the scenario runs them.
+var orderingModeNames = []string{"notriggers", "unordered", "keys", "hot"}
+
 func (w *orderWorker) Work(_ context.Context, job *river.Job[outboxriver.EventArgs]) error {
 	start := time.Now()
 	key := ""
@@ -119,6 +123,7 @@ func runOrdering(ctx context.Context, e *env, o *Options) (*OrderingResults, err
 		res.Keys, res.Hot = o.OrderingKeys, o.OrderingKeys
 	}
 	n := res.Keys * res.PerKey
+	// The order of orderingModeNames.
 	specs := []struct {
 		name       string // for -ordering-modes
 		mode       string
