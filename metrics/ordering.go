@@ -37,7 +37,7 @@ type Ordering struct {
 	// parked (0 when none is).
 	OldestParkedAge time.Duration `json:"oldest_parked_age_ns"`
 	// HeldKeys is the number of (tenant, ordering key) whose later events
-	// wait in the outbox, pending, behind a failed (dead-lettered or
+	// wait in the outbox, pending or processing, behind a failed (dead-lettered or
 	// unroutable) event of the key: the claim hands them off only once the
 	// failed one is requeued or cancelled.
 	HeldKeys int64 `json:"held_keys"`
