@@ -3,7 +3,6 @@ package admin
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"os"
 	"slices"
@@ -203,10 +202,7 @@ func check(sel Selection, actor string, rules filter.Rules) (Selection, error) {
 	}
 	f := sel.filter()
 	if err := f.Check(rules); err != nil {
-		if fe, ok := errors.AsType[*filter.Error](err); ok {
-			return sel, &SelectionError{Flag: fe.Flag, Msg: fe.Msg}
-		}
-		return sel, err
+		return sel, asSelectionError(err)
 	}
 	return fromFilter(f), nil
 }

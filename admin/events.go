@@ -188,11 +188,14 @@ func (c *Client) EventOfJob(ctx context.Context, jobID int64) (int64, error) {
 // checkText checks a free-text selection value (filter.CheckText: valid
 // UTF-8, no NUL, bounded), as a *SelectionError naming flag.
 func checkText(flag, v string) error {
-	if err := filter.CheckText(flag, v); err != nil {
-		if fe, ok := errors.AsType[*filter.Error](err); ok {
-			return &SelectionError{Flag: fe.Flag, Msg: fe.Msg}
-		}
-		return err
+	return asSelectionError(filter.CheckText(flag, v))
+}
+
+// asSelectionError returns a *filter.Error as the *SelectionError that
+// names the same flag, and any other error (or nil) as it is.
+func asSelectionError(err error) error {
+	if fe, ok := errors.AsType[*filter.Error](err); ok {
+		return &SelectionError{Flag: fe.Flag, Msg: fe.Msg}
 	}
-	return nil
+	return err
 }
