@@ -20,8 +20,7 @@ import (
 	"github.com/riverqueue/river/rivertype"
 
 	"github.com/outboxhq/outbox/admin"
-	"github.com/outboxhq/outbox/alert"
-	"github.com/outboxhq/outbox/claim"
+	"github.com/outboxhq/outbox/internal/ordertest"
 	"github.com/outboxhq/outbox/internal/pgtest"
 	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
@@ -51,13 +50,8 @@ func TestExplainShowsJobsReceiptsAndRoutes(t *testing.T) {
 	if err := s.Pool.QueryRow(ctx, `SELECT outbox_publish('plugin.hook.workflow.executed', '{"run": 7}', 'acme', 'run:7')`).Scan(&id); err != nil {
 		t.Fatal(err)
 	}
-	ins, err := outboxriver.NewInsertClient(s.Pool, outboxriver.InsertClientConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := &claim.Handoff{Pool: s.Pool, River: ins, Routes: routes, MaxRetries: 6, Alerter: alert.Func(func(context.Context, alert.Alert) {})}
-	if res, err := h.Batch(ctx, 10); err != nil || res.Jobs != 2 {
-		t.Fatalf("handoff: %+v, %v", res, err)
+	if res := ordertest.HandOff(t, s.Pool, routes); res.Jobs != 2 {
+		t.Fatalf("handoff: %+v, want 2 jobs", res)
 	}
 
 	var failed atomic.Bool

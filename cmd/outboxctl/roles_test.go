@@ -24,8 +24,7 @@ import (
 
 	"github.com/outboxhq/outbox"
 	"github.com/outboxhq/outbox/admin"
-	"github.com/outboxhq/outbox/alert"
-	"github.com/outboxhq/outbox/claim"
+	"github.com/outboxhq/outbox/internal/ordertest"
 	"github.com/outboxhq/outbox/internal/pgtest"
 	"github.com/outboxhq/outbox/internal/proctest"
 	"github.com/outboxhq/outbox/retention"
@@ -257,14 +256,8 @@ func TestEveryCommandUnderEveryRole(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		ins, err := outboxriver.NewInsertClient(disp, outboxriver.InsertClientConfig{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		h := &claim.Handoff{Pool: disp, River: ins, Routes: routes, MaxRetries: 6, Alerter: alert.Func(func(context.Context, alert.Alert) {})}
-		res, err := h.Batch(ctx, 100)
-		if err != nil || res.Done != pending {
-			t.Fatalf("handoff as dispatcher: %+v, %v; want %d done", res, err, pending)
+		if res := ordertest.HandOff(t, disp, routes); res.Done != pending {
+			t.Fatalf("handoff as dispatcher: %+v; want %d done", res, pending)
 		}
 
 		// The Runner outboxd starts: purges done rows and expired receipts.
