@@ -6,11 +6,13 @@
 // Between passes an idle dispatcher holds the wake lock (see the migration's
 // wake trigger) so that producers notify only while someone is waiting, and
 // it re-checks the table after taking the lock so that no commit slips
-// between its last pass and its sleep.
+// between its last pass and its sleep. A wake that finds it idle is handed
+// off by one pass that keeps the lock (state armed): a light stream costs
+// one claim transaction per wake; a busy one is drained without the lock.
 //
 // The data path (publish, wake, claim, route, insert, done) and the loop's
-// state machine (draining, lingering, idle with the wake lock, backingOff,
-// stopping) are described step by step at the top of loop.go; a drain and
+// state machine (draining, lingering, idle with the wake lock, armed,
+// backingOff, stopping) are described step by step at the top of loop.go; a drain and
 // its concurrency controller are in drain.go.
 //
 // Start returns once the loop runs; Stop finishes the batches in flight and
@@ -242,6 +244,10 @@ type Stats struct {
 	// pending event (a delayed event, or a retry after its backoff).
 	Due    int64
 	Errors int64
+	// Passes counts claim transactions, including those that found nothing
+	// (Batches counts those that claimed events): Passes - Batches is the
+	// loop's overhead of looking.
+	Passes int64
 	// DrainWorkers is the number of batches in flight the last parallel
 	// drain settled on (0 before the first).
 	DrainWorkers int64
@@ -257,8 +263,8 @@ type Dispatcher struct {
 	logger  *slog.Logger
 	schema  string
 
-	batches, events, jobs, unroutable, retried, dead, wakes, polls, dues, errs atomic.Int64
-	running                                                                    atomic.Bool
+	batches, events, jobs, unroutable, retried, dead, wakes, polls, dues, errs, passes atomic.Int64
+	running                                                                            atomic.Bool
 	// drainWorkers is the number of workers of the last parallel drain.
 	drainWorkers atomic.Int64
 	// published is lis once started, for readers outside Start and the loop.
@@ -307,7 +313,7 @@ func (d *Dispatcher) Stats() Stats {
 		Batches: d.batches.Load(), Events: d.events.Load(), Jobs: d.jobs.Load(),
 		Unroutable: d.unroutable.Load(), Retried: d.retried.Load(), DeadLettered: d.dead.Load(),
 		Wakes: d.wakes.Load(), Polls: d.polls.Load(), Due: d.dues.Load(), Errors: d.errs.Load(),
-		DrainWorkers: d.drainWorkers.Load(),
+		DrainWorkers: d.drainWorkers.Load(), Passes: d.passes.Load(),
 	}
 }
 

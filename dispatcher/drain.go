@@ -137,6 +137,7 @@ func (dr *drain) pass() (int, bool, error) {
 	} else {
 		res, err = d.handoff.Batch(dr.work, d.cfg.BatchSize)
 	}
+	d.passes.Add(1)
 	if err != nil {
 		return 0, false, err
 	}

@@ -136,7 +136,8 @@ func TestSlowCommitDoesNotLoseTheWake(t *testing.T) {
 	}
 
 	var (
-		armed   atomic.Bool
+		// armed counts down the batches until the one to act on.
+		armed   atomic.Int32
 		slowID  atomic.Int64
 		slowTx  pgx.Tx
 		attempt = make(chan bool, 1)
@@ -144,8 +145,12 @@ func TestSlowCommitDoesNotLoseTheWake(t *testing.T) {
 	onBatch := func(claim.Result) {
 		// A batch is done and the dispatcher is about to look once more and
 		// go idle: a producer starts its (slow) commit now, holding the wake
-		// key shared, as the wake trigger does at commit time.
-		if !armed.CompareAndSwap(true, false) {
+		// key shared, as the wake trigger does at commit time. Each try
+		// publishes two events and the batches take one each: the first is
+		// handed off by the woken dispatcher with the wake lock still held
+		// (state armed), and, that batch being full, the second by a drain
+		// that releases it. Act on the second.
+		if armed.Add(-1) != 0 {
 			return
 		}
 		ok := false
@@ -178,7 +183,7 @@ func TestSlowCommitDoesNotLoseTheWake(t *testing.T) {
 		slowID.Store(res.ID)
 		slowTx, ok = tx, true
 	}
-	start(t, s.Pool, dispatcher.Config{PollInterval: time.Minute, OnBatch: onBatch})
+	start(t, s.Pool, dispatcher.Config{PollInterval: time.Minute, BatchSize: 1, OnBatch: onBatch})
 	idle := func() bool {
 		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'
 			AND classid = 1868720215 AND objid = $1::int4::oid AND mode = 'ExclusiveLock' AND granted`, key) == 1
@@ -188,8 +193,9 @@ func TestSlowCommitDoesNotLoseTheWake(t *testing.T) {
 			t.Fatal("the producer never took the wake key shared after a batch")
 		}
 		pgtest.WaitFor(t, 30*time.Second, "the dispatcher idle, holding the wake lock", idle)
-		armed.Store(true)
-		pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcomed", Payload: json.RawMessage(`{}`)})
+		armed.Store(2)
+		ev := outbox.Event{Type: "mail.user.welcomed", Payload: json.RawMessage(`{}`)}
+		pgtest.Publish(t, s.Pool, ev, ev)
 		var ok bool
 		select {
 		case ok = <-attempt:

@@ -47,10 +47,15 @@ import (
 //	  │         │  └─ handed events off, Linger > 0 ─► lingering ─ Linger elapsed ─┐
 //	  │         │                                                                  │
 //	  │         └─ found nothing ─► idle                        draining ◄─────────┘
-//	  │                              │ take the wake lock, re-check, read the next due time
+//	  │                              │ take the wake lock (unless held), re-check, read the next due time
 //	  │                              ├─ re-check found work, or producers hold the key ─► draining
 //	  │                              ├─ re-check failed ─► backingOff
-//	  └── wake / poll tick / due ────┘ (sleep, holding the wake lock)
+//	  ├── poll tick ─────────────────┤ (sleep, holding the wake lock)
+//	  │                              │ wake / due
+//	  │                              ▼
+//	  └─ full batch, wake pending ── armed: one pass, keeping the wake lock
+//	                                  │ a light stream: back to idle, no re-check
+//	                                  └─ error ─► backingOff
 //
 //	any state ── Stop ──► stopping: release the wake lock and return
 //
@@ -64,12 +69,13 @@ const (
 	draining state = iota
 	lingering
 	idle
+	armed
 	backingOff
 	stopping
 )
 
 func (s state) String() string {
-	return [...]string{"draining", "lingering", "idle", "backingOff", "stopping"}[s]
+	return [...]string{"draining", "lingering", "idle", "armed", "backingOff", "stopping"}[s]
 }
 
 // loop is the state of the dispatch loop, owned by its goroutine.
@@ -103,6 +109,8 @@ func (d *Dispatcher) runLoop(run, work context.Context) {
 			st = l.linger()
 		case idle:
 			st = l.idle()
+		case armed:
+			st = l.armed()
 		case backingOff:
 			st = l.backoff()
 		default:
@@ -184,7 +192,11 @@ func (l *loop) linger() state {
 // once more and try the lock again).
 func (l *loop) idle() state {
 	d := l.d
-	if d.lis != nil && d.lis.Connected() {
+	switch {
+	case d.lis != nil && d.lis.Connected() && d.lock.held:
+		// Back from armed: the lock was held before that pass began, so
+		// every commit the pass did not see notifies. No re-check.
+	case d.lis != nil && d.lis.Connected():
 		got, err := d.lock.acquire(l.work)
 		if err != nil {
 			d.logger.Warn("outbox wake lock unavailable; relying on polling", slog.String("error", err.Error()))
@@ -206,6 +218,12 @@ func (l *loop) idle() state {
 				return draining
 			}
 		}
+	case d.lock != nil && d.lock.held:
+		// The listener is down: notifications are lost, and producers
+		// would pay for them. Poll until it reconnects (which wakes).
+		if err := d.lock.release(l.work); err != nil {
+			d.logger.Warn("outbox wake lock release failed", slog.String("error", err.Error()))
+		}
 	}
 
 	// The next due time is read after the lock and the re-check, so a
@@ -222,12 +240,50 @@ func (l *loop) idle() state {
 	case <-d.wakeC():
 		d.wakes.Add(1)
 	case <-l.poll.C:
+		// The poll also renews the wake lock: draining releases it, and
+		// the next idle takes it again on a session that answers.
 		d.polls.Add(1)
 		d.rescue(l.work)
+		return draining
 	case <-due:
 		d.dues.Add(1)
 	}
+	if d.lock != nil && d.lock.held {
+		return armed
+	}
 	return draining
+}
+
+// armed runs one pass while still holding the wake lock, for a wake (or a
+// due time) that found the dispatcher idle. Every producer whose commit
+// began after the lock was taken notifies, so once the pass is done no
+// re-check is needed and the loop goes back to sleep with the lock: one
+// batch transaction per wake, instead of a release, a linger's pass, a
+// new lock and a re-check. A light stream of events (each finding the
+// dispatcher idle) then costs a handoff and the next due time's read per
+// wake.
+//
+// A stream that keeps the dispatcher busy is drained without the lock, as
+// before (producers skip NOTIFY while it is not held): a full batch, an
+// ordered event waiting for another batch, or a wake that arrived while
+// the pass ran (the producers outpace one pass per wake) sends the loop
+// draining, which releases the lock.
+func (l *loop) armed() state {
+	d := l.d
+	dr := d.newDrain(l.work, l.run)
+	_, full, err := dr.pass()
+	switch {
+	case err != nil:
+		l.fail(err)
+		return backingOff
+	case l.run.Err() != nil:
+		return stopping
+	}
+	l.failures = 0
+	if full || dr.soon.Load() || len(d.wakeC()) > 0 || d.lis == nil || !d.lis.Connected() {
+		return draining
+	}
+	return idle
 }
 
 // backoff waits 200 ms per consecutive failure (at most 5 s), then drains

@@ -138,6 +138,7 @@ func (m *Metrics) Register(reg prometheus.Registerer) error {
 		gauge("outbox_dispatcher_running", "1 while the dispatch loop runs.", func(d *dispatcher.Dispatcher) float64 { return b2f(d.Running()) }),
 		counter("outbox_dispatcher_wakes_total", "Dispatcher wake-ups by notification.", func(s dispatcher.Stats) int64 { return s.Wakes }),
 		counter("outbox_dispatcher_polls_total", "Dispatcher wake-ups by the poll fallback.", func(s dispatcher.Stats) int64 { return s.Polls }),
+		counter("outbox_dispatcher_passes_total", "Claim transactions of the dispatch loop, including those that found nothing.", func(s dispatcher.Stats) int64 { return s.Passes }),
 		counter("outbox_dispatcher_errors_total", "Failed dispatch passes.", func(s dispatcher.Stats) int64 { return s.Errors }),
 	}
 	for _, c := range cs {
