@@ -112,6 +112,19 @@ ORDER BY scheduled_at, id
 LIMIT $1
 FOR UPDATE SKIP LOCKED`
 
+// claimKeySQL locks up to $1 due pending events of one ordering key ($4
+// tenant, empty for none; $5 key) in the key's position order, over
+// outbox_event_ordering_idx: the walk of a hot key's backlog (see
+// Handoff.BatchOfKey). The ordered wrapper still holds back any event
+// behind an earlier one of the key that this batch did not lock.
+const claimKeySQL = `
+SELECT ` + claimColumns + `
+FROM outbox_event
+WHERE COALESCE(tenant_id, '') = $4 AND ordering_key = $5 AND status = 'pending' AND scheduled_at <= now()
+ORDER BY ordering_position
+LIMIT $1
+FOR UPDATE SKIP LOCKED`
+
 const claimColumns = `id, event_type, tenant_id, payload, dispatch_key, retries, created_at, scheduled_at, trace_context, ordering_key, ordering_position`
 
 // budgeted bounds a claim by payload bytes as well as by count: of the rows
@@ -199,6 +212,7 @@ ORDER BY k.scheduled_at, k.id`
 var (
 	budgetedClaimSQL      = budgeted(claimSQL)
 	budgetedClaimAfterSQL = budgeted(claimAfterSQL)
+	budgetedClaimKeySQL   = budgeted(claimKeySQL)
 )
 
 // DefaultBatchBytes is the default payload byte budget of one batch.
@@ -353,6 +367,18 @@ type Result struct {
 	// Last is the claim-order position of the last claimed event (zero
 	// when none was claimed), where BatchAfter can continue.
 	Last Position
+	// TopKey is the ordering key with the most events handed off in this
+	// batch, and TopKeyDone that number (0 when no keyed event was handed
+	// off): a batch that a key fills is a hot key's, whose next events
+	// BatchOfKey claims.
+	TopKey     Key
+	TopKeyDone int
+}
+
+// Key is an ordering key with its tenant ("" for none).
+type Key struct {
+	TenantID    string
+	OrderingKey string
 }
 
 // Handed is one event handed off to River.
@@ -376,6 +402,9 @@ func (r *Result) add(o Result) {
 	r.BlockedSoon = r.BlockedSoon || o.BlockedSoon
 	r.TimedOut += o.TimedOut
 	r.Handed = append(r.Handed, o.Handed...)
+	if o.TopKeyDone > r.TopKeyDone {
+		r.TopKey, r.TopKeyDone = o.TopKey, o.TopKeyDone
+	}
 }
 
 // Rescue puts rows left in 'processing' past their lease back to pending
@@ -408,6 +437,16 @@ func (h *Handoff) batchBytes() int {
 // behind the position; a later Batch finds them.
 func (h *Handoff) BatchAfter(ctx context.Context, limit int, after Position) (Result, error) {
 	return h.batch(ctx, budgetedClaimAfterSQL, limit, h.batchBytes(), outbox.MaxPayloadBytes, after.ScheduledAt, after.ID)
+}
+
+// BatchOfKey is Batch for the due events of one ordering key, in the
+// key's order: the next batch of a key whose events filled the previous
+// one (Result.TopKey). Only one batch at a time can hand a key's events
+// off; walking the key's backlog by key lets the batch that does go on
+// with the key's next events, wherever they are in claim order, while
+// other batches go on past them.
+func (h *Handoff) BatchOfKey(ctx context.Context, limit int, key Key) (Result, error) {
+	return h.batch(ctx, budgetedClaimKeySQL, limit, h.batchBytes(), outbox.MaxPayloadBytes, key.TenantID, key.OrderingKey)
 }
 
 func (h *Handoff) batch(ctx context.Context, sql string, args ...any) (Result, error) {
@@ -712,6 +751,8 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		// insertOrder); anyKeyed is set when any does.
 		locks    = make([]jobLock, 0, len(events))
 		anyKeyed bool
+		// keyDone counts the handed-off events per key (Result.TopKey).
+		keyDone map[orderingScope]int
 	)
 	events = inKeyOrder(events)
 	for i := range events {
@@ -761,6 +802,15 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		}
 		res.Done++
 		res.Handed = append(res.Handed, Handed{ID: e.ID, Type: e.Type, Route: rule.Prefix, CreatedAt: e.CreatedAt})
+		if keyed {
+			if keyDone == nil {
+				keyDone = map[orderingScope]int{}
+			}
+			keyDone[scope]++
+			if n := keyDone[scope]; n > res.TopKeyDone {
+				res.TopKey, res.TopKeyDone = Key{TenantID: scope.tenant, OrderingKey: scope.key}, n
+			}
+		}
 	}
 	if len(params) > 0 {
 		var order []int

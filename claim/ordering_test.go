@@ -373,3 +373,43 @@ func TestHandoffAnnouncesOnlyRunnableJobs(t *testing.T) {
 		t.Fatalf("a batch of a waiting job announced %v, want nothing", got)
 	}
 }
+
+// TestBatchOfKeyClaimsOneKeyInItsOrder: BatchOfKey claims the due events
+// of one (tenant, key) only, in the key's order and up to its limit, and
+// reports the key as the batch's top key; other keys, other tenants' same
+// key, unkeyed events and events not due yet stay pending.
+func TestBatchOfKeyClaimsOneKeyInItsOrder(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	h := newHandoff(t, s.Pool, 6, nil)
+	later := keyed("a", "k")
+	later.NotBefore = time.Now().Add(time.Hour)
+	ids := pgtest.Publish(t, s.Pool,
+		outbox.Event{Type: "mail.order.changed"}, keyed("b", "k"), keyed("a", "k"), keyed("a", "j"),
+		keyed("a", "k"), keyed("a", "k"), keyed("a", "k"), later)
+	key := claim.Key{TenantID: "a", OrderingKey: "k"}
+
+	res, err := h.BatchOfKey(ctx, 2, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Claimed != 2 || res.Done != 2 || res.TopKey != key || res.TopKeyDone != 2 {
+		t.Fatalf("first batch of key a/k: %+v, want its first two events handed off", res)
+	}
+	wantJobsInOrder(t, s.Pool, ids[2], ids[4])
+	res, err = h.BatchOfKey(ctx, 10, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Claimed != 2 || res.Done != 2 {
+		t.Fatalf("second batch of key a/k: %+v, want its two due events left handed off", res)
+	}
+	wantJobsInOrder(t, s.Pool, ids[2], ids[4], ids[5], ids[6])
+	for what, id := range map[string]int64{"the unkeyed event": ids[0], "tenant b's key k": ids[1], "key j": ids[3], "key a/k's event due in an hour": ids[7]} {
+		wantStatus(t, s.Pool, what, id, "pending", 0, 0)
+	}
+	if res, err = h.BatchOfKey(ctx, 10, key); err != nil || res.Claimed != 0 {
+		t.Fatalf("third batch of key a/k: %+v, %v, want nothing claimed", res, err)
+	}
+}

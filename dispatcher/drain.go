@@ -31,6 +31,9 @@ type drain struct {
 	// soon: a batch left an ordered event waiting for an earlier one that
 	// another batch holds (claim.Result.BlockedSoon).
 	soon atomic.Bool
+	// walking counts the workers walking a hot key (walk); workers is the
+	// number of workers of the parallel drain.
+	walking, workers atomic.Int64
 }
 
 func (d *Dispatcher) newDrain(work, run context.Context) *drain {
@@ -75,8 +78,13 @@ func (dr *drain) parallel() (int, error) {
 					return
 				default:
 				}
-				n, full, err := dr.pass()
+				res, n, full, err := dr.batch(nil)
 				claimed.Add(int64(n))
+				if err == nil && full && dr.hot(res) {
+					var more int
+					more, err = dr.walk(res.TopKey)
+					claimed.Add(int64(more))
+				}
 				if err != nil {
 					errOnce.Do(func() { first = err })
 					return
@@ -89,6 +97,7 @@ func (dr *drain) parallel() (int, error) {
 	}
 
 	c := newController(d.cfg.Concurrency)
+	dr.workers.Store(int64(c.workers))
 	for range c.workers {
 		spawn()
 	}
@@ -111,6 +120,7 @@ func (dr *drain) parallel() (int, error) {
 				quits = quits[:len(quits)-1]
 			}
 			last = cur
+			dr.workers.Store(int64(c.workers))
 			d.drainWorkers.Store(int64(c.workers))
 		}
 	}
@@ -124,6 +134,15 @@ func (dr *drain) parallel() (int, error) {
 // (claim.Handoff.Timeout), so that a batch that times out can be retried
 // event by event to find the slow event.
 func (dr *drain) pass() (int, bool, error) {
+	_, n, full, err := dr.batch(nil)
+	return n, full, err
+}
+
+// batch runs one batch: from the drain's position in claim order, or, with
+// key, of that ordering key alone (walk). It returns the batch's result,
+// the events claimed that were not held back for their key, and whether the
+// batch was full.
+func (dr *drain) batch(key *claim.Key) (claim.Result, int, bool, error) {
 	d := dr.d
 	dr.mu.Lock()
 	at := dr.at
@@ -132,30 +151,92 @@ func (dr *drain) pass() (int, bool, error) {
 		res claim.Result
 		err error
 	)
-	if at != nil {
+	switch {
+	case key != nil:
+		res, err = d.handoff.BatchOfKey(dr.work, d.cfg.BatchSize, *key)
+	case at != nil:
 		res, err = d.handoff.BatchAfter(dr.work, d.cfg.BatchSize, *at)
-	} else {
+	default:
 		res, err = d.handoff.Batch(dr.work, d.cfg.BatchSize)
 	}
 	d.passes.Add(1)
 	if err != nil {
-		return 0, false, err
+		return res, 0, false, err
 	}
 	if res.BlockedSoon {
 		dr.soon.Store(true)
 	}
 	if res.Claimed > 0 {
-		dr.mu.Lock()
-		if dr.at == nil || res.Last.After(*dr.at) {
-			last := res.Last
-			dr.at = &last
+		// A walk's batch does not move the drain's position: the key's
+		// events may lie ahead of it in claim order, with unrelated
+		// events in between that the position must not skip.
+		if key == nil {
+			dr.mu.Lock()
+			if dr.at == nil || res.Last.After(*dr.at) {
+				last := res.Last
+				dr.at = &last
+			}
+			dr.mu.Unlock()
 		}
-		dr.mu.Unlock()
 		d.record(res)
 	}
 	// Blocked events (waiting for their ordering key) are not work done:
 	// an idle re-check that finds only those goes back to sleep.
-	return res.Claimed - res.Blocked, res.Claimed >= d.cfg.BatchSize || res.More, nil
+	return res, res.Claimed - res.Blocked, res.Claimed >= d.cfg.BatchSize || res.More, nil
+}
+
+// hot reports whether one ordering key filled at least half of a full
+// batch: a hot key's backlog, which only one batch at a time can hand off.
+func (dr *drain) hot(res claim.Result) bool {
+	return res.TopKeyDone > 0 && 2*res.TopKeyDone >= dr.d.cfg.BatchSize
+}
+
+// walkRetries bounds the batches of a walk in a row that hand nothing off
+// because another batch holds the key's next events (it claimed them from
+// the drain's position, found them held back and is about to let go).
+const walkRetries = 3
+
+// walk hands off a hot key's backlog batch by batch, in the key's order,
+// after a batch that the key filled, and returns the events it claimed.
+//
+// Without it, the drain's other batches, claiming from the drain's
+// position, claimed the key's next events while this batch held the
+// earlier ones, had to hold them back, and moved the position past them:
+// the key got one batch per drain, and every drain claimed the rest of
+// its backlog again. A walk goes on with the key's next events wherever
+// they are in claim order, while the other batches go on past them to
+// the events behind (they are not stopped: an unrelated event must not
+// wait for a key's backlog). At most all workers but one walk at a time,
+// so one always goes on in claim order. A walk ends when its batch is not
+// full, or after walkRetries batches in a row that handed nothing off.
+func (dr *drain) walk(key claim.Key) (int, error) {
+	if dr.walking.Add(1) >= dr.workers.Load() {
+		dr.walking.Add(-1)
+		return 0, nil
+	}
+	defer dr.walking.Add(-1)
+	total, idle := 0, 0
+	for dr.run.Err() == nil {
+		res, n, full, err := dr.batch(&key)
+		total += n
+		if err != nil {
+			return total, err
+		}
+		switch {
+		case res.Done > 0 && full:
+			idle = 0
+			continue
+		case res.Done == 0 && res.BlockedSoon && idle < walkRetries:
+			idle++
+			select {
+			case <-time.After(time.Millisecond):
+			case <-dr.run.Done():
+			}
+			continue
+		}
+		return total, nil
+	}
+	return total, nil
 }
 
 // record counts a batch that claimed events and reports it (OnBatch).

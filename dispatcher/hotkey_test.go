@@ -126,3 +126,39 @@ func TestDrainGoesPastALockHeldForLong(t *testing.T) {
 		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done'`) == 1+n+m
 	})
 }
+
+// TestHotKeyBacklogIsWalked: a backlog of one ordering key is handed off in
+// a few claims per batch of it, in the key's order. Only one batch at a time
+// can hand the key's events off; the drain's other batches, which claim in
+// claim order, find the next ones held back and go on past them. Before the
+// batch that hands the key's events off went on with the key's next events
+// (drain.walk), it went on past them too: the key got one batch per drain,
+// and each drain claimed the rest of the backlog again (here about 300
+// claims, with the walk about 60; the limit is 90).
+func TestHotKeyBacklogIsWalked(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 20})
+	const n, batch = 3000, 100
+	keyBacklog(t, s, 0, n-1, 0)
+	d := start(t, s.Pool, dispatcher.Config{PollInterval: time.Hour, Concurrency: 4, BatchSize: batch})
+	pgtest.WaitFor(t, 60*time.Second, "the key's backlog handed off", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done'`) == n
+	})
+	st := d.Stats()
+	if limit := int64(3 * n / batch); st.Passes > limit {
+		t.Fatalf("%d claim transactions for a backlog of %d events of one key in batches of %d, want at most %d (stats %+v)", st.Passes, n, batch, limit, st)
+	}
+	// The jobs were inserted in the key's order: job ids rise with the
+	// position.
+	if k := pgtest.Count(t, s.Pool, `
+		SELECT count(*) FROM (
+			SELECT (metadata->>'outbox_ordering_position')::bigint AS pos,
+			       lag((metadata->>'outbox_ordering_position')::bigint) OVER (ORDER BY id) AS prev
+			FROM river_job WHERE metadata ? 'outbox_ordering_key') j
+		WHERE pos < prev`); k != 0 {
+		t.Fatalf("%d jobs of the key inserted after a job of a later position", k)
+	}
+	if j := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job`); j != n {
+		t.Fatalf("%d River jobs for %d events", j, n)
+	}
+}
