@@ -368,9 +368,10 @@ type Result struct {
 	// when none was claimed), where BatchAfter can continue.
 	Last Position
 	// TopKey is the ordering key with the most events handed off in this
-	// batch, and TopKeyDone that number (0 when no keyed event was handed
-	// off): a batch that a key fills is a hot key's, whose next events
-	// BatchOfKey claims.
+	// batch's transaction, and TopKeyDone that number (0 when no keyed
+	// event was handed off; at most 1 after an event-by-event fallback,
+	// whose transactions hand off one event each): a batch that a key
+	// fills is a hot key's, whose next events BatchOfKey claims.
 	TopKey     Key
 	TopKeyDone int
 }

@@ -413,3 +413,49 @@ func TestBatchOfKeyClaimsOneKeyInItsOrder(t *testing.T) {
 		t.Fatalf("third batch of key a/k: %+v, %v, want nothing claimed", res, err)
 	}
 }
+
+// TestBatchOfKeyKeepsTheKeysOrder: a claim by key follows the key's
+// positions, not claim order, and holds back what an earlier event
+// outside the batch blocks. Key k's first event is due later than its
+// second (in the past all the same), so claim order puts it second; and
+// while another transaction holds the first event locked, the claim by key
+// skips it and hands nothing off.
+func TestBatchOfKeyKeepsTheKeysOrder(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	h := newHandoff(t, s.Pool, 6, nil)
+	ids := pgtest.Publish(t, s.Pool, keyed("", "k"), keyed("", "k"), keyed("", "k"))
+	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET scheduled_at = scheduled_at + interval '1 millisecond' WHERE id = $1`, ids[0]); err != nil {
+		t.Fatal(err)
+	}
+	key := claim.Key{OrderingKey: "k"}
+
+	other, err := s.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = other.Rollback(context.Background()) }()
+	if _, err := other.Exec(ctx, `SELECT id FROM outbox_event WHERE id = $1 FOR UPDATE`, ids[0]); err != nil {
+		t.Fatal(err)
+	}
+	res, err := h.BatchOfKey(ctx, 10, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Done != 0 || res.Blocked != 2 || !res.BlockedSoon {
+		t.Fatalf("claim by key with its first event locked elsewhere: %+v, want the other two held back, soon", res)
+	}
+	if err := other.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	res, err = h.BatchOfKey(ctx, 2, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Done != 2 {
+		t.Fatalf("claim by key of 2: %+v, want the key's first two events handed off", res)
+	}
+	wantJobsInOrder(t, s.Pool, ids[0], ids[1])
+	wantStatus(t, s.Pool, "the key's third event", ids[2], "pending", 0, 0)
+}

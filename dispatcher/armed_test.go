@@ -71,3 +71,55 @@ func TestLightStreamCostsOnePassPerWake(t *testing.T) {
 	}
 	assertLedger(t, s.Pool, testRoutes(t))
 }
+
+// TestArmedLockIsTakenAgainAfterARestart: the wake lock kept across wakes
+// is a flag on the dispatcher's side. When its session and the listener's
+// end together (a server restart, a failover), the listener's disconnect
+// or reconnect wakes the dispatcher, and the lock must be taken again on a
+// live session: kept, it would be held by nobody, producers would skip
+// NOTIFY, and events would wait for the poll (an hour here).
+func TestArmedLockIsTakenAgainAfterARestart(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	d := start(t, s.Pool, dispatcher.Config{PollInterval: time.Hour, ReconnectDelay: 100 * time.Millisecond})
+	pgtest.WaitFor(t, 10*time.Second, "listener to connect", d.ListenerConnected)
+	idle := idleWithWakeLock(t, s)
+	pgtest.WaitFor(t, 20*time.Second, "the dispatcher idle, holding the wake lock", idle)
+	// One event through the armed path, so that the lock is one kept
+	// across a wake.
+	first := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome"})[0]
+	pgtest.WaitFor(t, 20*time.Second, "the first event handed off", func() bool { return status(t, s.Pool, first) == "done" })
+
+	admin := pgtest.Admin(t)
+	ctx := pgtest.Context(t, time.Minute)
+	var key int32
+	if err := admin.QueryRow(ctx, `SELECT hashtext('outbox_wake:' || $1)`, s.Name).Scan(&key); err != nil {
+		t.Fatal(err)
+	}
+	// The lock's session and the listener's, as a restart ends them: the
+	// lock's first, waiting until it is gone (a dying session still holds
+	// the lock for a moment, and a dispatcher that finds the lock held
+	// exclusively takes it for another idle dispatcher's and sleeps without
+	// it; on a loaded machine that moment can outlast the lock attempt).
+	// (OFFSET 0 keeps the filter apart from the call: evaluated first, the
+	// call could end any session, the admin's own included.)
+	if n := pgtest.Count(t, admin, `
+		SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) FROM (
+			SELECT pid FROM pg_locks
+			WHERE locktype = 'advisory' AND classid = 1868720215 AND objid = $1::int4::oid AND granted OFFSET 0) p`, key); n != 1 {
+		t.Fatalf("terminated %d wake lock sessions, want 1", n)
+	}
+	if n := pgtest.Count(t, admin, `
+		SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) FROM (
+			SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND query ILIKE 'listen%' OFFSET 0) p`, s.Name); n != 1 {
+		t.Fatalf("terminated %d listener sessions, want 1", n)
+	}
+	pgtest.WaitFor(t, 20*time.Second, "the dispatcher idle again, holding the wake lock on a live session", idle)
+	ids := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome"})
+	pgtest.WaitFor(t, 30*time.Second, "an event published after the restart handed off without the poll", func() bool {
+		return status(t, s.Pool, ids[0]) == "done"
+	})
+	if st := d.Stats(); st.Polls != 0 {
+		t.Fatalf("a poll tick ran (%+v): the test must show the wake path alone", st)
+	}
+}

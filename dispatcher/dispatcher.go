@@ -244,9 +244,10 @@ type Stats struct {
 	// pending event (a delayed event, or a retry after its backoff).
 	Due    int64
 	Errors int64
-	// Passes counts claim transactions, including those that found nothing
-	// (Batches counts those that claimed events): Passes - Batches is the
-	// loop's overhead of looking.
+	// Passes counts the loop's batch transactions, including those that
+	// found nothing; Batches counts those that claimed events, so Passes -
+	// Batches is the passes that found nothing. The event-by-event retries
+	// after a failed batch are not passes.
 	Passes int64
 	// DrainWorkers is the number of batches in flight the last parallel
 	// drain settled on (0 before the first).

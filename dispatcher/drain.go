@@ -31,9 +31,11 @@ type drain struct {
 	// soon: a batch left an ordered event waiting for an earlier one that
 	// another batch holds (claim.Result.BlockedSoon).
 	soon atomic.Bool
-	// walking counts the workers walking a hot key (walk); workers is the
-	// number of workers of the parallel drain.
-	walking, workers atomic.Int64
+	// frontier counts the parallel drain's live workers that claim in
+	// claim order, i.e. that do not walk a key (walk); walked holds the
+	// keys being walked (guarded by mu).
+	frontier atomic.Int64
+	walked   map[claim.Key]bool
 }
 
 func (d *Dispatcher) newDrain(work, run context.Context) *drain {
@@ -69,9 +71,11 @@ func (dr *drain) parallel() (int, error) {
 		quits = append(quits, quit)
 		active++
 		wg.Add(1)
+		dr.frontier.Add(1)
 		go func() {
 			defer wg.Done()
 			defer func() { exited <- struct{}{} }()
+			defer dr.frontier.Add(-1)
 			for dr.run.Err() == nil {
 				select {
 				case <-quit:
@@ -82,7 +86,7 @@ func (dr *drain) parallel() (int, error) {
 				claimed.Add(int64(n))
 				if err == nil && full && dr.hot(res) {
 					var more int
-					more, err = dr.walk(res.TopKey)
+					more, err = dr.walk(res.TopKey, quit)
 					claimed.Add(int64(more))
 				}
 				if err != nil {
@@ -97,7 +101,6 @@ func (dr *drain) parallel() (int, error) {
 	}
 
 	c := newController(d.cfg.Concurrency)
-	dr.workers.Store(int64(c.workers))
 	for range c.workers {
 		spawn()
 	}
@@ -120,7 +123,6 @@ func (dr *drain) parallel() (int, error) {
 				quits = quits[:len(quits)-1]
 			}
 			last = cur
-			dr.workers.Store(int64(c.workers))
 			d.drainWorkers.Store(int64(c.workers))
 		}
 	}
@@ -188,7 +190,7 @@ func (dr *drain) batch(key *claim.Key) (claim.Result, int, bool, error) {
 // hot reports whether one ordering key filled at least half of a full
 // batch: a hot key's backlog, which only one batch at a time can hand off.
 func (dr *drain) hot(res claim.Result) bool {
-	return res.TopKeyDone > 0 && 2*res.TopKeyDone >= dr.d.cfg.BatchSize
+	return res.TopKeyDone >= 2 && 2*res.TopKeyDone >= res.Claimed
 }
 
 // walkRetries bounds the batches of a walk in a row that hand nothing off
@@ -199,24 +201,58 @@ const walkRetries = 3
 // walk hands off a hot key's backlog batch by batch, in the key's order,
 // after a batch that the key filled, and returns the events it claimed.
 //
-// Without it, the drain's other batches, claiming from the drain's
+// Without it, the drain's other workers, claiming from the drain's
 // position, claimed the key's next events while this batch held the
 // earlier ones, had to hold them back, and moved the position past them:
-// the key got one batch per drain, and every drain claimed the rest of
-// its backlog again. A walk goes on with the key's next events wherever
-// they are in claim order, while the other batches go on past them to
-// the events behind (they are not stopped: an unrelated event must not
-// wait for a key's backlog). At most all workers but one walk at a time,
-// so one always goes on in claim order. A walk ends when its batch is not
-// full, or after walkRetries batches in a row that handed nothing off.
-func (dr *drain) walk(key claim.Key) (int, error) {
-	if dr.walking.Add(1) >= dr.workers.Load() {
-		dr.walking.Add(-1)
+// the key got one batch per drain, and every drain claimed the rest of its
+// backlog again. A walk goes on with the key's next events wherever they
+// are in claim order, while the other workers go on in claim order past
+// them to the events behind. An unrelated event must never wait for a
+// key's backlog, so:
+//   - a walk starts only while another worker claims in claim order, and
+//     one key is walked by one worker at a time;
+//   - when no worker claims in claim order any more (they ran out of work
+//     and left, or were retired), the walker takes one batch in claim
+//     order before each batch of the walk: events committed meanwhile
+//     notify nobody (a draining dispatcher does not hold the wake lock)
+//     and are found only there;
+//   - a walk never moves the drain's position.
+//
+// A walk ends when its batch is not full, after walkRetries batches in a
+// row that handed nothing off, or when its worker is retired (quit).
+func (dr *drain) walk(key claim.Key, quit <-chan struct{}) (int, error) {
+	dr.mu.Lock()
+	if dr.walked[key] || dr.frontier.Load() < 2 {
+		dr.mu.Unlock()
 		return 0, nil
 	}
-	defer dr.walking.Add(-1)
+	if dr.walked == nil {
+		dr.walked = map[claim.Key]bool{}
+	}
+	dr.walked[key] = true
+	dr.frontier.Add(-1)
+	dr.mu.Unlock()
+	defer func() {
+		dr.mu.Lock()
+		delete(dr.walked, key)
+		dr.frontier.Add(1)
+		dr.mu.Unlock()
+	}()
+
 	total, idle := 0, 0
 	for dr.run.Err() == nil {
+		select {
+		case <-quit:
+			return total, nil
+		default:
+		}
+		if dr.frontier.Load() == 0 {
+			_, n, _, err := dr.batch(nil)
+			total += n
+			if err != nil {
+				return total, err
+			}
+		}
 		res, n, full, err := dr.batch(&key)
 		total += n
 		if err != nil {

@@ -162,3 +162,31 @@ func TestHotKeyBacklogIsWalked(t *testing.T) {
 		t.Fatalf("%d River jobs for %d events", j, n)
 	}
 }
+
+// TestEventsPublishedDuringAWalkPassIt: while a worker walks a hot key's
+// backlog, an event published after the drain's other workers went past
+// the key (and ran out of work) is handed off without waiting for the rest
+// of the walk: the drain released the wake lock, so no NOTIFY comes, and
+// the walker itself takes a batch in claim order between its walk's
+// batches when no other worker does.
+func TestEventsPublishedDuringAWalkPassIt(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 20})
+	const n = 20000
+	keyBacklog(t, s, 0, n/2-1, 0)
+	keyBacklog(t, s, 0, n/2-1, 0)
+	start(t, s.Pool, dispatcher.Config{PollInterval: time.Hour, Concurrency: 2, BatchSize: 100})
+	pgtest.WaitFor(t, 60*time.Second, "a third of the key's backlog handed off", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done'`) >= n/3
+	})
+	other := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(`{"other":true}`)})[0]
+	pgtest.WaitFor(t, 60*time.Second, "the event published during the walk handed off", func() bool {
+		return status(t, s.Pool, other) == "done"
+	})
+	if left := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE ordering_key IS NOT NULL AND status = 'pending'`); left == 0 {
+		t.Fatalf("the event published during the walk waited for the key's whole backlog of %d events", n)
+	}
+	pgtest.WaitFor(t, 120*time.Second, "every event handed off", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done'`) == n+1
+	})
+}

@@ -53,9 +53,9 @@ import (
 //	  ├── poll tick ─────────────────┤ (sleep, holding the wake lock)
 //	  │                              │ wake / due
 //	  │                              ▼
-//	  └─ full batch, wake pending ── armed: one pass, keeping the wake lock
-//	                                  │ a light stream: back to idle, no re-check
-//	                                  └─ error ─► backingOff
+//	  └─ full batch, wake pending, ── armed: one pass, keeping the wake lock
+//	     ordered event soon,           │ a light stream: back to idle, no re-check
+//	     listener down                 └─ error: release the lock ─► backingOff
 //
 //	any state ── Stop ──► stopping: release the wake lock and return
 //
@@ -190,14 +190,25 @@ func (l *loop) linger() state {
 // reaches every listener) or producers in a slow commit (do not sleep:
 // their rows and every commit after them would wait for the poll; drain
 // once more and try the lock again).
+//
+// Back from armed, it may still hold the lock: it keeps it, without a
+// re-check, while keepLock says the lock is still good; otherwise it
+// releases it and takes it again as above.
 func (l *loop) idle() state {
 	d := l.d
+	if d.lock != nil && d.lock.held && !l.keepLock() {
+		if err := d.lock.release(l.work); err != nil {
+			d.logger.Warn("outbox wake lock release failed", slog.String("error", err.Error()))
+		}
+	}
 	switch {
 	case d.lis != nil && d.lis.Connected() && d.lock.held:
 		// Back from armed: the lock was held before that pass began, so
 		// every commit the pass did not see notifies. No re-check.
 	case d.lis != nil && d.lis.Connected():
+		connects := d.lis.Connects()
 		got, err := d.lock.acquire(l.work)
+		d.lock.connects = connects
 		if err != nil {
 			d.logger.Warn("outbox wake lock unavailable; relying on polling", slog.String("error", err.Error()))
 		}
@@ -217,12 +228,6 @@ func (l *loop) idle() state {
 				}
 				return draining
 			}
-		}
-	case d.lock != nil && d.lock.held:
-		// The listener is down: notifications are lost, and producers
-		// would pay for them. Poll until it reconnects (which wakes).
-		if err := d.lock.release(l.work); err != nil {
-			d.logger.Warn("outbox wake lock release failed", slog.String("error", err.Error()))
 		}
 	}
 
@@ -254,6 +259,24 @@ func (l *loop) idle() state {
 	return draining
 }
 
+// lockRenew is the longest a lock kept across wakes (armed) goes without
+// being taken again. The lock is a flag on this side: its session may have
+// died (a restart, a proxy's idle timeout, pg_terminate_backend) without a
+// statement noticing, and then no producer notifies.
+const lockRenew = time.Second
+
+// keepLock reports whether the wake lock held since an armed pass can stay
+// held into the next sleep: the listener is up and has not reconnected
+// since the lock was taken (notifications may have been lost, and the
+// server may have restarted under the lock's session), and the lock is
+// younger than lockRenew (or the poll interval, when shorter). Otherwise
+// idle releases it and takes it again, with a re-check.
+func (l *loop) keepLock() bool {
+	d := l.d
+	return d.lis != nil && d.lis.Connected() && d.lis.Connects() == d.lock.connects &&
+		time.Since(d.lock.since) < min(lockRenew, d.cfg.PollInterval)
+}
+
 // armed runs one pass while still holding the wake lock, for a wake (or a
 // due time) that found the dispatcher idle. Every producer whose commit
 // began after the lock was taken notifies, so once the pass is done no
@@ -274,6 +297,11 @@ func (l *loop) armed() state {
 	_, full, err := dr.pass()
 	switch {
 	case err != nil:
+		// Back off without the lock, as idle's re-check does: producers
+		// must not pay for NOTIFY while nobody listens for it.
+		if rerr := d.lock.release(l.work); rerr != nil {
+			d.logger.Warn("outbox wake lock release failed", slog.String("error", rerr.Error()))
+		}
 		l.fail(err)
 		return backingOff
 	case l.run.Err() != nil:

@@ -67,8 +67,10 @@ type Listener struct {
 	wake  chan struct{}
 
 	connected atomic.Bool
-	stopping  atomic.Bool
-	lastPong  atomic.Int64 // unix nanos
+	// connects counts the connections made (Connects).
+	connects atomic.Uint64
+	stopping atomic.Bool
+	lastPong atomic.Int64 // unix nanos
 
 	life service.Lifecycle
 }
@@ -104,6 +106,10 @@ func (l *Listener) Wake() <-chan struct{} { return l.wake }
 // Connected reports whether the LISTEN connection is up.
 func (l *Listener) Connected() bool { return l.connected.Load() }
 
+// Connects counts the LISTEN connections made so far: a change says the
+// listener reconnected (and notifications may have been lost) in between.
+func (l *Listener) Connects() uint64 { return l.connects.Load() }
+
 func (l *Listener) signal() {
 	select {
 	case l.wake <- struct{}{}:
@@ -116,6 +122,7 @@ func (l *Listener) setConnected(v bool) {
 		return
 	}
 	if v {
+		l.connects.Add(1)
 		l.cfg.Logger.Info("outbox listener connected", slog.String("channel", channel))
 	} else if !l.stopping.Load() {
 		l.cfg.Logger.Warn("outbox listener disconnected; falling back to polling until it reconnects")
