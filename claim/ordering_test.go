@@ -416,8 +416,8 @@ func TestBatchOfKeyClaimsOneKeyInItsOrder(t *testing.T) {
 
 // TestBatchOfKeyKeepsTheKeysOrder: a claim by key follows the key's
 // positions, not claim order, and holds back what an earlier event
-// outside the batch blocks. Key k's first event is due later than its
-// second (in the past all the same), so claim order puts it second; and
+// outside the batch blocks. Key k's later events are due a second before
+// its first, so claim order puts the first last; and
 // while another transaction holds the first event locked, the claim by key
 // skips it and hands nothing off.
 func TestBatchOfKeyKeepsTheKeysOrder(t *testing.T) {
@@ -426,7 +426,7 @@ func TestBatchOfKeyKeepsTheKeysOrder(t *testing.T) {
 	ctx := pgtest.Context(t, 60*time.Second)
 	h := newHandoff(t, s.Pool, 6, nil)
 	ids := pgtest.Publish(t, s.Pool, keyed("", "k"), keyed("", "k"), keyed("", "k"))
-	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET scheduled_at = scheduled_at + interval '1 millisecond' WHERE id = $1`, ids[0]); err != nil {
+	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET scheduled_at = scheduled_at - interval '1 second' WHERE id = ANY($1)`, ids[1:]); err != nil {
 		t.Fatal(err)
 	}
 	key := claim.Key{OrderingKey: "k"}

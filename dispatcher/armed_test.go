@@ -81,7 +81,9 @@ func TestLightStreamCostsOnePassPerWake(t *testing.T) {
 func TestArmedLockIsTakenAgainAfterARestart(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
-	d := start(t, s.Pool, dispatcher.Config{PollInterval: time.Hour, ReconnectDelay: 100 * time.Millisecond})
+	// No heartbeat: its query would replace LISTEN as the listener
+	// session's last query, by which the test finds the session.
+	d := start(t, s.Pool, dispatcher.Config{PollInterval: time.Hour, ReconnectDelay: 100 * time.Millisecond, PingInterval: time.Hour})
 	pgtest.WaitFor(t, 10*time.Second, "listener to connect", d.ListenerConnected)
 	idle := idleWithWakeLock(t, s)
 	pgtest.WaitFor(t, 20*time.Second, "the dispatcher idle, holding the wake lock", idle)

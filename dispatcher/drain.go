@@ -198,6 +198,17 @@ func (dr *drain) hot(res claim.Result) bool {
 // the drain's position, found them held back and is about to let go).
 const walkRetries = 3
 
+// walkProbeMax is the most batches of a lone walk between two of its
+// batches in claim order, once these keep finding nothing (1, 2, 4, 8).
+const walkProbeMax = 8
+
+// walkMax bounds one walk. A walker alone claims in claim order after the
+// drain's position, which an event committed late with an earlier
+// scheduled_at (its transaction's start) is behind; only the next drain,
+// which starts from the beginning of the claim order, finds it, and a
+// drain does not end while a walk goes on.
+const walkMax = time.Second
+
 // walk hands off a hot key's backlog batch by batch, in the key's order,
 // after a batch that the key filled, and returns the events it claimed.
 //
@@ -212,14 +223,18 @@ const walkRetries = 3
 //   - a walk starts only while another worker claims in claim order, and
 //     one key is walked by one worker at a time;
 //   - when no worker claims in claim order any more (they ran out of work
-//     and left, or were retired), the walker takes one batch in claim
-//     order before each batch of the walk: events committed meanwhile
-//     notify nobody (a draining dispatcher does not hold the wake lock)
-//     and are found only there;
-//   - a walk never moves the drain's position.
+//     and left, or were retired), the walker takes a batch in claim order
+//     between the walk's batches (before each, or every 2, 4 or 8 while
+//     those find nothing): events committed meanwhile notify nobody (a
+//     draining dispatcher does not hold the wake lock) and are found only
+//     there;
+//   - a walk's batches by key never move the drain's position;
+//   - a walk lasts at most walkMax, so that the drain ends and the next one
+//     starts from the beginning of the claim order.
 //
 // A walk ends when its batch is not full, after walkRetries batches in a
-// row that handed nothing off, or when its worker is retired (quit).
+// row that handed nothing off, after walkMax, or when its worker is
+// retired (quit).
 func (dr *drain) walk(key claim.Key, quit <-chan struct{}) (int, error) {
 	dr.mu.Lock()
 	if dr.walked[key] || dr.frontier.Load() < 2 {
@@ -239,18 +254,31 @@ func (dr *drain) walk(key claim.Key, quit <-chan struct{}) (int, error) {
 		dr.mu.Unlock()
 	}()
 
-	total, idle := 0, 0
-	for dr.run.Err() == nil {
+	var (
+		total, idle int
+		// every and due pace a lone walker's batches in claim order.
+		every, due = 1, 0
+		deadline   = time.Now().Add(walkMax)
+	)
+	for dr.run.Err() == nil && time.Now().Before(deadline) {
 		select {
 		case <-quit:
 			return total, nil
 		default:
 		}
 		if dr.frontier.Load() == 0 {
-			_, n, _, err := dr.batch(nil)
-			total += n
-			if err != nil {
-				return total, err
+			if due--; due <= 0 {
+				_, n, _, err := dr.batch(nil)
+				total += n
+				if err != nil {
+					return total, err
+				}
+				if n > 0 {
+					every = 1
+				} else {
+					every = min(2*every, walkProbeMax)
+				}
+				due = every
 			}
 		}
 		res, n, full, err := dr.batch(&key)

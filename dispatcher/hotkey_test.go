@@ -134,7 +134,7 @@ func TestDrainGoesPastALockHeldForLong(t *testing.T) {
 // batch that hands the key's events off went on with the key's next events
 // (drain.walk), it went on past them too: the key got one batch per drain,
 // and each drain claimed the rest of the backlog again (here about 300
-// claims, with the walk about 60; the limit is 90).
+// claims, with the walk about 65; the limit is 90).
 func TestHotKeyBacklogIsWalked(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 20})

@@ -196,16 +196,17 @@ func (l *loop) linger() state {
 // releases it and takes it again as above.
 func (l *loop) idle() state {
 	d := l.d
-	if d.lock != nil && d.lock.held && !l.keepLock() {
+	connected := d.lis != nil && d.lis.Connected()
+	if d.lock != nil && d.lock.held && !l.keepLock(connected) {
 		if err := d.lock.release(l.work); err != nil {
 			d.logger.Warn("outbox wake lock release failed", slog.String("error", err.Error()))
 		}
 	}
 	switch {
-	case d.lis != nil && d.lis.Connected() && d.lock.held:
+	case connected && d.lock.held:
 		// Back from armed: the lock was held before that pass began, so
 		// every commit the pass did not see notifies. No re-check.
-	case d.lis != nil && d.lis.Connected():
+	case connected:
 		connects := d.lis.Connects()
 		got, err := d.lock.acquire(l.work)
 		d.lock.connects = connects
@@ -259,22 +260,16 @@ func (l *loop) idle() state {
 	return draining
 }
 
-// lockRenew is the longest a lock kept across wakes (armed) goes without
-// being taken again. The lock is a flag on this side: its session may have
-// died (a restart, a proxy's idle timeout, pg_terminate_backend) without a
-// statement noticing, and then no producer notifies.
-const lockRenew = time.Second
-
 // keepLock reports whether the wake lock held since an armed pass can stay
 // held into the next sleep: the listener is up and has not reconnected
-// since the lock was taken (notifications may have been lost, and the
-// server may have restarted under the lock's session), and the lock is
-// younger than lockRenew (or the poll interval, when shorter). Otherwise
-// idle releases it and takes it again, with a re-check.
-func (l *loop) keepLock() bool {
-	d := l.d
-	return d.lis != nil && d.lis.Connected() && d.lis.Connects() == d.lock.connects &&
-		time.Since(d.lock.since) < min(lockRenew, d.cfg.PollInterval)
+// since the lock was taken. A reconnect says notifications may have been
+// lost and the server may have restarted under the lock's session, whose
+// lock is only a flag on this side; idle then releases the lock and takes
+// it again, with a re-check. (A lock session that dies while the
+// dispatcher sleeps is noticed at the poll tick, which always takes the
+// lock again, as before armed existed.)
+func (l *loop) keepLock(connected bool) bool {
+	return connected && l.d.lis.Connects() == l.d.lock.connects
 }
 
 // armed runs one pass while still holding the wake lock, for a wake (or a

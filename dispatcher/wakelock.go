@@ -40,10 +40,9 @@ type wakeLock struct {
 
 	conn *pgx.Conn
 	held bool
-	// since is when the lock was taken, and connects the listener's
-	// connection count then (see loop.idle: a lock kept across wakes is
-	// taken again after a reconnect of the listener, and every lockRenew).
-	since    time.Time
+	// connects is the listener's connection count when the lock was taken
+	// (loop.keepLock: a lock kept across wakes is taken again after the
+	// listener reconnected).
 	connects uint64
 }
 
@@ -115,7 +114,7 @@ func (w *wakeLock) try(ctx context.Context) (idle bool, err error) {
 	defer cancel()
 	_, err = w.conn.Exec(qctx, `SELECT pg_advisory_lock($1, $2)`, wakeLockClass, w.key)
 	if err == nil {
-		w.held, w.since = true, time.Now()
+		w.held = true
 		return false, nil
 	}
 	if !isLockTimeout(err) {

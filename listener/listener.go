@@ -118,11 +118,15 @@ func (l *Listener) signal() {
 }
 
 func (l *Listener) setConnected(v bool) {
+	if v && !l.connected.Load() {
+		// Counted before Connected says so: a reader that sees the new
+		// connection sees its count.
+		l.connects.Add(1)
+	}
 	if l.connected.Swap(v) == v {
 		return
 	}
 	if v {
-		l.connects.Add(1)
 		l.cfg.Logger.Info("outbox listener connected", slog.String("channel", channel))
 	} else if !l.stopping.Load() {
 		l.cfg.Logger.Warn("outbox listener disconnected; falling back to polling until it reconnects")
