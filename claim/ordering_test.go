@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxhq/outbox"
@@ -40,6 +41,23 @@ func batch(t *testing.T, h *claim.Handoff) claim.Result {
 		t.Fatal(err)
 	}
 	return res
+}
+
+// lockElsewhere locks event id in a transaction of its own, as another
+// batch (or a stalled session) holds it, until the test rolls it back or
+// ends.
+func lockElsewhere(t *testing.T, pool *pgxpool.Pool, id int64) pgx.Tx {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	if _, err := tx.Exec(ctx, `SELECT id FROM outbox_event WHERE id = $1 FOR UPDATE`, id); err != nil {
+		t.Fatal(err)
+	}
+	return tx
 }
 
 // wantStatus checks an event's status, retries and job count.
@@ -76,14 +94,7 @@ func TestClaimWaitsForEarlierEventHeldByAnotherBatch(t *testing.T) {
 	ctx := pgtest.Context(t, 60*time.Second)
 	h := newHandoff(t, s.Pool, 6, nil)
 	ids := pgtest.Publish(t, s.Pool, keyed("acme", "k"), keyed("acme", "k"), keyed("acme", "other"), outbox.Event{Type: "mail.a.b"})
-	other, err := s.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = other.Rollback(context.Background()) }()
-	if _, err := other.Exec(ctx, `SELECT id FROM outbox_event WHERE id = $1 FOR UPDATE`, ids[0]); err != nil {
-		t.Fatal(err)
-	}
+	other := lockElsewhere(t, s.Pool, ids[0])
 
 	res := batch(t, h)
 	if res.Claimed != 3 || res.Blocked != 1 || !res.BlockedSoon || res.Done != 2 {
@@ -232,17 +243,9 @@ func TestUnroutableEventStopsItsKeyInTheBatch(t *testing.T) {
 func TestTenantsKeysAreApart(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
-	ctx := pgtest.Context(t, 60*time.Second)
 	h := newHandoff(t, s.Pool, 6, nil)
 	ids := pgtest.Publish(t, s.Pool, keyed("a", "k"), keyed("a", "k"), keyed("b", "k"), keyed("", "k"))
-	other, err := s.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = other.Rollback(context.Background()) }()
-	if _, err := other.Exec(ctx, `SELECT id FROM outbox_event WHERE id = $1 FOR UPDATE`, ids[0]); err != nil {
-		t.Fatal(err)
-	}
+	lockElsewhere(t, s.Pool, ids[0])
 	if res := batch(t, h); res.Blocked != 1 || res.Done != 2 {
 		t.Fatalf("batch: %+v, want tenant a's later event blocked and the other tenants' events done", res)
 	}
@@ -431,14 +434,7 @@ func TestBatchOfKeyKeepsTheKeysOrder(t *testing.T) {
 	}
 	key := claim.Key{OrderingKey: "k"}
 
-	other, err := s.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = other.Rollback(context.Background()) }()
-	if _, err := other.Exec(ctx, `SELECT id FROM outbox_event WHERE id = $1 FOR UPDATE`, ids[0]); err != nil {
-		t.Fatal(err)
-	}
+	other := lockElsewhere(t, s.Pool, ids[0])
 	res, err := h.BatchOfKey(ctx, 10, key)
 	if err != nil {
 		t.Fatal(err)

@@ -1,13 +1,10 @@
 package dispatcher_test
 
 import (
-	"encoding/json"
-	"fmt"
 	"testing"
 	"time"
 
 	"github.com/outboxhq/outbox"
-	"github.com/outboxhq/outbox/claim"
 	"github.com/outboxhq/outbox/dispatcher"
 	"github.com/outboxhq/outbox/internal/pgtest"
 )
@@ -21,12 +18,7 @@ import (
 func TestLightStreamCostsOnePassPerWake(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
-	batches := make(chan claim.Result, 16)
-	d := start(t, s.Pool, dispatcher.Config{
-		PollInterval: time.Hour,
-		OnBatch:      func(r claim.Result) { batches <- r },
-	})
-	pgtest.WaitFor(t, 10*time.Second, "listener to connect", d.ListenerConnected)
+	d, batches := startReporting(t, s, time.Hour)
 	idle := idleWithWakeLock(t, s)
 	pgtest.WaitFor(t, 20*time.Second, "the dispatcher idle, holding the wake lock", idle)
 	// The re-check after taking the lock may still be running: wait until
@@ -46,19 +38,11 @@ func TestLightStreamCostsOnePassPerWake(t *testing.T) {
 
 	const n = 6
 	for i := range n {
-		ids := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(fmt.Sprintf(`{"i":%d}`, i))})
-		select {
-		case r := <-batches:
-			if r.Done != 1 {
-				t.Fatalf("batch handed off %d events, want 1", r.Done)
-			}
-		case <-time.After(20 * time.Second):
-			t.Fatalf("event %d not handed off within 20s with an hour's poll interval", ids[0])
-		}
+		id := publishOneHandedOff(t, s, batches, i)
 		if !idle() {
 			// The lock was never given up: it is held at once, not after
 			// a linger and a new acquisition.
-			t.Fatalf("event %d: the wake lock is not held right after its handoff", ids[0])
+			t.Fatalf("event %d: the wake lock is not held right after its handoff", id)
 		}
 	}
 	after := settled()

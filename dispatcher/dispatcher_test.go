@@ -152,12 +152,7 @@ func sortStrings(s []string) {
 func TestWakeHandsOffLongBeforePoll(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
-	batches := make(chan claim.Result, 16)
-	d := start(t, s.Pool, dispatcher.Config{
-		PollInterval: time.Minute,
-		OnBatch:      func(r claim.Result) { batches <- r },
-	})
-	pgtest.WaitFor(t, 10*time.Second, "listener to connect", d.ListenerConnected)
+	d, batches := startReporting(t, s, time.Minute)
 	// The first pass after connecting may already have run; drain signals.
 	for len(batches) > 0 {
 		<-batches
@@ -169,17 +164,9 @@ func TestWakeHandsOffLongBeforePoll(t *testing.T) {
 		// longer on a busy machine): an event published while it is still
 		// busy is handed off without a wake.
 		pgtest.WaitFor(t, 20*time.Second, "the dispatcher idle, holding the wake lock", idle)
-		ids := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(fmt.Sprintf(`{"i":%d}`, i))})
-		select {
-		case r := <-batches:
-			if r.Done != 1 {
-				t.Fatalf("batch handed off %d events, want 1", r.Done)
-			}
-		case <-time.After(20 * time.Second):
-			t.Fatalf("event %d not handed off within 20s with a 60s poll interval: the wake path is broken", ids[0])
-		}
-		if st := status(t, s.Pool, ids[0]); st != "done" {
-			t.Fatalf("event %d is %s", ids[0], st)
+		id := publishOneHandedOff(t, s, batches, i)
+		if st := status(t, s.Pool, id); st != "done" {
+			t.Fatalf("event %d is %s", id, st)
 		}
 	}
 	if st := d.Stats(); st.Wakes == 0 {
@@ -521,6 +508,35 @@ func TestAdaptiveDrainStaysWithinConcurrency(t *testing.T) {
 			assertLedger(t, s.Pool, testRoutes(t))
 		})
 	}
+}
+
+// startReporting starts a dispatcher with the given poll interval whose
+// batches are sent to the returned channel, and waits for its listener.
+func startReporting(t *testing.T, s *pgtest.Schema, poll time.Duration) (*dispatcher.Dispatcher, chan claim.Result) {
+	t.Helper()
+	batches := make(chan claim.Result, 16)
+	d := start(t, s.Pool, dispatcher.Config{
+		PollInterval: poll,
+		OnBatch:      func(r claim.Result) { batches <- r },
+	})
+	pgtest.WaitFor(t, 10*time.Second, "listener to connect", d.ListenerConnected)
+	return d, batches
+}
+
+// publishOneHandedOff publishes event i of a test and waits for the batch
+// that hands it off alone (startReporting's channel); it returns its id.
+func publishOneHandedOff(t *testing.T, s *pgtest.Schema, batches <-chan claim.Result, i int) int64 {
+	t.Helper()
+	id := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(fmt.Sprintf(`{"i":%d}`, i))})[0]
+	select {
+	case r := <-batches:
+		if r.Done != 1 {
+			t.Fatalf("batch handed off %d events, want 1", r.Done)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatalf("event %d not handed off within 20s, with the poll far away: the wake path is broken", id)
+	}
+	return id
 }
 
 // idleWithWakeLock reports whether an idle dispatcher holds the wake lock of
