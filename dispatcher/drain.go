@@ -202,12 +202,13 @@ const walkRetries = 3
 // batches in claim order, once these keep finding nothing (1, 2, 4, 8).
 const walkProbeMax = 8
 
-// walkMax bounds one walk. A walker alone claims in claim order after the
-// drain's position, which an event committed late with an earlier
-// scheduled_at (its transaction's start) is behind; only the next drain,
-// which starts from the beginning of the claim order, finds it, and a
-// drain does not end while a walk goes on.
-const walkMax = time.Second
+// walkMax bounds the batches of one walk. A walker alone claims in claim
+// order after the drain's position, which an event committed late with an
+// earlier scheduled_at (its transaction's start) is behind; only the next
+// drain, which starts from the beginning of the claim order, finds it, and
+// a drain does not end while a walk goes on. A bound in batches, not in
+// time, keeps a walk's work the same on a slow machine.
+const walkMax = 100
 
 // walk hands off a hot key's backlog batch by batch, in the key's order,
 // after a batch that the key filled, and returns the events it claimed.
@@ -229,12 +230,12 @@ const walkMax = time.Second
 //     draining dispatcher does not hold the wake lock) and are found only
 //     there;
 //   - a walk's batches by key never move the drain's position;
-//   - a walk lasts at most walkMax, so that the drain ends and the next one
-//     starts from the beginning of the claim order.
+//   - a walk takes at most walkMax batches, so that the drain can end and
+//     the next one start from the beginning of the claim order.
 //
 // A walk ends when its batch is not full, after walkRetries batches in a
-// row that handed nothing off, after walkMax, or when its worker is
-// retired (quit).
+// row that handed nothing off, after walkMax batches, or when its worker
+// is retired (quit).
 func (dr *drain) walk(key claim.Key, quit <-chan struct{}) (int, error) {
 	dr.mu.Lock()
 	if dr.walked[key] || dr.frontier.Load() < 2 {
@@ -258,9 +259,8 @@ func (dr *drain) walk(key claim.Key, quit <-chan struct{}) (int, error) {
 		total, idle int
 		// every and due pace a lone walker's batches in claim order.
 		every, due = 1, 0
-		deadline   = time.Now().Add(walkMax)
 	)
-	for dr.run.Err() == nil && time.Now().Before(deadline) {
+	for walked := 0; dr.run.Err() == nil && walked < walkMax; walked++ {
 		select {
 		case <-quit:
 			return total, nil
