@@ -260,7 +260,7 @@ func (dr *drain) walk(key claim.Key, quit <-chan struct{}) (int, error) {
 		// every and due pace a lone walker's batches in claim order.
 		every, due = 1, 0
 	)
-	for walked := 0; dr.run.Err() == nil && walked < walkMax; walked++ {
+	for batches := 0; dr.run.Err() == nil && batches < walkMax; batches++ {
 		select {
 		case <-quit:
 			return total, nil

@@ -198,9 +198,7 @@ func (l *loop) idle() state {
 	d := l.d
 	connected := d.lis != nil && d.lis.Connected()
 	if d.lock != nil && d.lock.held && !l.keepLock(connected) {
-		if err := d.lock.release(l.work); err != nil {
-			d.logger.Warn("outbox wake lock release failed", slog.String("error", err.Error()))
-		}
+		d.lock.releaseLogged(l.work, d.logger)
 	}
 	switch {
 	case connected && d.lock.held:
@@ -220,9 +218,7 @@ func (l *loop) idle() state {
 			n, _, err := d.newDrain(l.work, l.run).pass()
 			if err != nil || n > 0 {
 				// Work arrived: drain without the lock.
-				if rerr := d.lock.release(l.work); rerr != nil {
-					d.logger.Warn("outbox wake lock release failed", slog.String("error", rerr.Error()))
-				}
+				d.lock.releaseLogged(l.work, d.logger)
 				if err != nil {
 					l.fail(err)
 					return backingOff
@@ -294,16 +290,14 @@ func (l *loop) armed() state {
 	case err != nil:
 		// Back off without the lock, as idle's re-check does: producers
 		// must not pay for NOTIFY while nobody listens for it.
-		if rerr := d.lock.release(l.work); rerr != nil {
-			d.logger.Warn("outbox wake lock release failed", slog.String("error", rerr.Error()))
-		}
+		d.lock.releaseLogged(l.work, d.logger)
 		l.fail(err)
 		return backingOff
 	case l.run.Err() != nil:
 		return stopping
 	}
 	l.failures = 0
-	if full || dr.soon.Load() || len(d.wakeC()) > 0 || d.lis == nil || !d.lis.Connected() {
+	if full || dr.soon.Load() || len(d.wakeC()) > 0 || !d.lis.Connected() {
 		return draining
 	}
 	return idle

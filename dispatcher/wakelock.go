@@ -142,6 +142,15 @@ func (w *wakeLock) release(ctx context.Context) error {
 	return nil
 }
 
+// releaseLogged gives the lock up and logs a failure: the callers go on
+// either way (a session that failed to unlock is closed, which ends the
+// lock too).
+func (w *wakeLock) releaseLogged(ctx context.Context, logger *slog.Logger) {
+	if err := w.release(ctx); err != nil {
+		logger.Warn("outbox wake lock release failed", slog.String("error", err.Error()))
+	}
+}
+
 // releaseAsync gives the lock up in the background (a drain releases it
 // concurrently with its first batch) and returns a function that waits for
 // that. The wakeLock belongs to the loop goroutine: it marks the lock not
@@ -152,9 +161,7 @@ func (w *wakeLock) releaseAsync(ctx context.Context, logger *slog.Logger) (wait 
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		if err := w.release(ctx); err != nil {
-			logger.Warn("outbox wake lock release failed", slog.String("error", err.Error()))
-		}
+		w.releaseLogged(ctx, logger)
 	}()
 	return func() { <-done }
 }
