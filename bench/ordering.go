@@ -388,6 +388,11 @@ func orderingPlot(r *OrderingResults, path string) error {
 		}
 		l.Color = plotutil.Color(1)
 		cdf.Add(l)
+	} else {
+		// No hot key in this run (-ordering-modes without hot): an empty
+		// axis, whose log scale needs a positive range.
+		cdf.Title.Text += " (not run)"
+		cdf.X.Min, cdf.X.Max = 0.1, 100
 	}
 
 	img := vgimg.New(vg.Points(1000), vg.Points(400))
