@@ -169,11 +169,11 @@ func TestMigrateRecoversInterruptedConcurrentIndex(t *testing.T) {
 	checkPerTenantIndex(t, ctx, s.Pool)
 
 	// Forget that 6 ran: it runs again, statement by statement, unharmed.
-	// 8, 10, 11, 12 and 13 run again too: 006 recreates the four-parameter publish
+	// 8, 10, 11, 12, 13 and 14 run again too: 006 recreates the four-parameter publish
 	// functions, which 010 replaced with six-parameter ones and 011 with
 	// seven-parameter ones (two of each would make every call ambiguous),
-	// and 12 and 13 after 11 (they replace 011's trigger functions).
-	if _, err := s.Pool.Exec(ctx, `DELETE FROM outbox_schema_migration WHERE version IN (6, 8, 10, 11, 12, 13)`); err != nil {
+	// and 12 to 14 after 11 (they replace 011's trigger functions).
+	if _, err := s.Pool.Exec(ctx, `DELETE FROM outbox_schema_migration WHERE version IN (6, 8, 10, 11, 12, 13, 14)`); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := outboxsql.Migrate(ctx, s.Pool, nil); err != nil {
