@@ -15,8 +15,9 @@ demo: ## run the demo: a real dispatcher, two River worker groups, a retry, a su
 	$(WITH_PG) $(GO) run ./cmd/outbox-demo $(DEMO_FLAGS)
 
 .PHONY: test
-test: ## run every test with -race against a real Postgres
+test: ## run every test with -race against a real Postgres (the bench module's too)
 	$(WITH_PG) $(GO) test -race -count=1 -timeout 15m ./...
+	cd bench && $(GO) test -race -count=1 -timeout 5m ./...
 
 .PHONY: test-short
 test-short: ## the tests without the slow ones
