@@ -389,9 +389,9 @@ func orderingPlot(r *OrderingResults, path string) error {
 		l.Color = plotutil.Color(1)
 		cdf.Add(l)
 	} else {
-		// No hot key in this run (-ordering-modes without hot): an empty
-		// axis, whose log scale needs a positive range.
-		cdf.Title.Text += " (not run)"
+		// No hot key gaps in this run (-ordering-modes without hot): an
+		// empty axis, whose log scale needs a positive range.
+		cdf.Title.Text += " (no data)"
 		cdf.X.Min, cdf.X.Max = 0.1, 100
 	}
 

@@ -13,7 +13,7 @@
 --   the planner prefers that index to the primary key: the scan then reads
 --   every entry of the state, the dead ones of every job that has left it
 --   since the last vacuum included, to find one id. perf of a many-keys
---   drain put most of the completion's CPU there. Comparing state::text
+--   drain put 12 % of the database's CPU there. Comparing state::text
 --   leaves the primary key as the only index that serves the statement.
 --
 -- One transaction. CREATE OR REPLACE keeps the triggers and grants of the
