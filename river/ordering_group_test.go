@@ -48,8 +48,8 @@ func (w *burstWorker) Work(ctx context.Context, job *river.Job[stepArgs]) error 
 }
 
 // TestOrderedCompletionsShareTransactions: the heads of 40 keys end at the
-// same moment in 40 workers. The middleware writes at most four completion
-// transactions at once, so the completions that wait share transactions
+// same moment in 40 workers. The middleware writes one completion
+// transaction at a time, so the completions that wait share transactions
 // (rows completed by one transaction share its xmin), and every key's
 // second job still starts only after its first ended, and every job is
 // completed.
