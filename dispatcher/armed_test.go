@@ -21,8 +21,11 @@ func TestLightStreamCostsOnePassPerWake(t *testing.T) {
 	d, batches := startReporting(t, s, time.Hour)
 	idle := idleWithWakeLock(t, s)
 	pgtest.WaitFor(t, 20*time.Second, "the dispatcher idle, holding the wake lock", idle)
-	// The re-check after taking the lock may still be running: wait until
+	// The listener wakes the dispatcher once when it connects (a reconnect
+	// may have lost notifications); that wake's pass and the re-check after
+	// taking the lock may still be running: wait for the wake, then until
 	// the pass count holds still.
+	pgtest.WaitFor(t, 20*time.Second, "the listener's connect wake", func() bool { return d.Stats().Wakes >= 1 })
 	settled := func() int64 {
 		prev := d.Stats().Passes
 		for {
