@@ -229,8 +229,10 @@ const DefaultBatchBytes = 4 << 20
 // first five executions of a prepared statement are planned anew, and the
 // statement that marks the events done went on being replanned on about
 // half of its executions (its generic plan's estimate is the higher), 0.2
-// ms each in the handoff's path (TestBatchStatementsUseGenericPlans).
-// Local to the batch transaction.
+// ms each in the handoff's path (TestBatchStatementsUseGenericPlans); over
+// a backlog of 20,000 pending events the claim itself was planned anew at
+// every batch (0.3 ms), and its generic plan is the same ordered scan of
+// the claim index. Local to the batch transaction.
 const planSettingsSQL = `SELECT set_config('enable_bitmapscan', 'off', true), set_config('enable_seqscan', 'off', true), set_config('plan_cache_mode', 'force_generic_plan', true)`
 
 // asyncPlanSettingsSQL is planSettingsSQL plus synchronous_commit = off
