@@ -224,20 +224,15 @@ const DefaultBatchBytes = 4 << 20
 // and a sort, which visits every dead entry and its heap page on every
 // claim (measured: 24,000 dead entries cost 1.3-3.5 ms per claim, growing
 // with the backlog until autovacuum; the ordered scan marks them dead once
-// and then costs 0.1-0.2 ms). plan_cache_mode = force_generic_plan plans
-// each statement of the batch once per connection: with the default, the
-// first five executions of a prepared statement are planned anew, and the
-// statement that marks the events done went on being replanned on about
-// half of its executions (its generic plan's estimate is the higher), 0.2
-// ms each in the handoff's path (TestBatchStatementsUseGenericPlans); over
-// a backlog of 20,000 pending events the claim itself was planned anew at
-// every batch (0.3 ms), and its generic plan is the same ordered scan of
-// the claim index. Local to the batch transaction.
-const planSettingsSQL = `SELECT set_config('enable_bitmapscan', 'off', true), set_config('enable_seqscan', 'off', true), set_config('plan_cache_mode', 'force_generic_plan', true)`
+// and then costs 0.1-0.2 ms). Local to the batch transaction. (Generic
+// plans for the batch, plan_cache_mode = force_generic_plan, were tried
+// and reverted on 2026-12-02: docs/benchmarks.md, "Generic plans for the
+// batch transaction".)
+const planSettingsSQL = `SELECT set_config('enable_bitmapscan', 'off', true), set_config('enable_seqscan', 'off', true)`
 
 // asyncPlanSettingsSQL is planSettingsSQL plus synchronous_commit = off
 // (Handoff.SynchronousCommit false), in the same statement.
-const asyncPlanSettingsSQL = `SELECT set_config('enable_bitmapscan', 'off', true), set_config('enable_seqscan', 'off', true), set_config('plan_cache_mode', 'force_generic_plan', true), set_config('synchronous_commit', 'off', true)`
+const asyncPlanSettingsSQL = planSettingsSQL + `, set_config('synchronous_commit', 'off', true)`
 
 // claimOneSQL re-locks one event for the event-by-event retry, in the
 // shape of the budgeted claim ($2 is unused: one row is always kept).
