@@ -105,8 +105,14 @@ func TestChaosTerminateBackends(t *testing.T) {
 
 	p := &producers{pool: pool, run: run, n: n, batch: 10, workers: 3}
 	producing := p.start(ctx)
+	// The listener's session: its last statement is a LISTEN, or, once a
+	// heartbeat has come back, the read-only check the listener runs on
+	// each pong (package listener). Matching LISTEN alone found no
+	// listener once the first heartbeat had come back, and a slow drain
+	// then faulted until the test's budget ran out.
 	const listenQ = `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
-		WHERE application_name = $1 AND pid <> pg_backend_pid() AND query ILIKE 'listen%'`
+		WHERE application_name = $1 AND pid <> pg_backend_pid() AND xact_start IS NULL
+		  AND (query ILIKE 'listen%' OR query ILIKE 'SHOW transaction_read_only%')`
 	// Claim transactions: in a transaction (active or idle in it) and not
 	// the listener or the wake lock's session.
 	const claimQ = `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
