@@ -134,9 +134,9 @@ func (w *benchWorker) Work(_ context.Context, job *river.Job[outboxriver.EventAr
 
 func runLatency(ctx context.Context, e *env, o *Options) ([]LatencyResult, error) {
 	var out []LatencyResult
-	for _, mode := range []string{modeNotify, modePoll, modeRiverDirect} {
+	for _, mode := range []string{modeNotify, modePoll, modeRiverDirect, modeFloor} {
 		logf("latency %s: %d ev/s for %s", mode, o.Rate, o.Duration)
-		schema := map[string]string{modeNotify: "lat_notify", modePoll: "lat_poll", modeRiverDirect: "lat_river"}[mode]
+		schema := map[string]string{modeNotify: "lat_notify", modePoll: "lat_poll", modeRiverDirect: "lat_river", modeFloor: "lat_floor"}[mode]
 		r, err := latencyMode(ctx, e, loadSpec{
 			mode: mode, rate: o.Rate, duration: o.Duration, schema: schema,
 			producers: 8, drainLimit: 30 * time.Second,
@@ -211,7 +211,7 @@ func workerClient(ctx context.Context, e *env, p *pgxpool.Pool, c *clocks) (*riv
 	return rc, nil
 }
 
-func latencyMode(ctx context.Context, e *env, spec loadSpec) (LatencyResult, error) {
+func latencyMode(ctx context.Context, e *env, spec loadSpec) (_ LatencyResult, retErr error) {
 	mode, schema := spec.mode, spec.schema
 	res := LatencyResult{Mode: mode, Rate: spec.rate, Duration: spec.duration.String()}
 	p, err := e.migrated(ctx, schema, int32(max(24, spec.producers+8)))
@@ -284,6 +284,16 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (LatencyResult, err
 		if err != nil {
 			return res, err
 		}
+	case modeFloor:
+		relay, err := startFloorRelay(ctx, p, c)
+		if err != nil {
+			return res, err
+		}
+		defer func() {
+			if err := relay.stop(); err != nil {
+				retErr = err // what stopped the jobs, rather than their absence
+			}
+		}()
 	}
 	// Let the worker client's listener and producers settle.
 	time.Sleep(300 * time.Millisecond)

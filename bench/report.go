@@ -150,6 +150,9 @@ func markdown(r *Results) string {
 			row(l.Mode, "producer tx", l.Commit)
 		}
 		b.WriteString("\n")
+		if s := floorLine(r); s != "" {
+			b.WriteString(s + "\n\n")
+		}
 	}
 	if r.Rates != nil {
 		ratesMarkdown(&b, r.Rates)
@@ -339,4 +342,17 @@ func ratesMarkdown(b *strings.Builder, r *RateResults) {
 	if waits {
 		b.WriteString("\n")
 	}
+}
+
+// floorLine compares what the outbox (notify) and the floor relay add to
+// River-direct's end-to-end latency in this run ("" without the three).
+func floorLine(r *Results) string {
+	notify, direct, floor := r.latency(modeNotify), r.latency(modeRiverDirect), r.latency(modeFloor)
+	if notify == nil || direct == nil || floor == nil || notify.EndToEnd == nil || direct.EndToEnd == nil || floor.EndToEnd == nil {
+		return ""
+	}
+	d := direct.EndToEnd
+	return fmt.Sprintf("Over River-direct's end to end (p50 %.2f ms, p99 %.2f ms), the outbox adds %+.2f ms at p50 (p99 %.1f×) and %s, "+
+		"the least any relay adds (one statement, one round trip per wake; docs/benchmarks.md, \"The floor\"), %+.2f ms at p50 (p99 %.1f×).",
+		d.P50, d.P99, notify.EndToEnd.P50-d.P50, notify.EndToEnd.P99/d.P99, modeFloor, floor.EndToEnd.P50-d.P50, floor.EndToEnd.P99/d.P99)
 }
