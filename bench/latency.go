@@ -61,6 +61,9 @@ type LatencyResult struct {
 	// CPU is the CPU time per published event, from the producers' start
 	// to the last job's start (rates scenario).
 	CPU *CPUCost `json:"cpu,omitempty"`
+	// GINCleanPages counts the pending-list pages of River's GIN indexes
+	// that the outbox modes' cleaner merged (outboxriver.GINCleaner).
+	GINCleanPages int64 `json:"gin_clean_pages,omitempty"`
 }
 
 type dispatchStat struct {
@@ -211,7 +214,7 @@ func workerClient(ctx context.Context, e *env, p *pgxpool.Pool, c *clocks) (*riv
 	return rc, nil
 }
 
-func latencyMode(ctx context.Context, e *env, spec loadSpec) (_ LatencyResult, retErr error) {
+func latencyMode(ctx context.Context, e *env, spec loadSpec) (out LatencyResult, retErr error) {
 	mode, schema := spec.mode, spec.schema
 	res := LatencyResult{Mode: mode, Rate: spec.rate, Duration: spec.duration.String()}
 	p, err := e.migrated(ctx, schema, int32(max(24, spec.producers+8)))
@@ -279,6 +282,20 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (_ LatencyResult, r
 				return res, err
 			}
 		}
+		// outboxd merges River's GIN pending lists beside its dispatcher
+		// (OUTBOX_RIVER_GIN_CLEAN_INTERVAL_MS); River-direct and the floor
+		// run River as it comes, without.
+		gc, err := outboxriver.NewGINCleaner(p, outboxriver.GINCleanerConfig{})
+		if err != nil {
+			return res, err
+		}
+		if err := gc.Start(ctx); err != nil {
+			return res, err
+		}
+		defer func() {
+			_ = gc.Stop(context.WithoutCancel(ctx))
+			_, out.GINCleanPages = gc.Stats() // after the return set out
+		}()
 	case modeRiverDirect:
 		insertRC, err = outboxriver.NewInsertClient(p, outboxriver.InsertClientConfig{})
 		if err != nil {

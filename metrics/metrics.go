@@ -62,6 +62,8 @@ type Metrics struct {
 	batchSize  prometheus.Histogram
 	latency    prometheus.Histogram
 	retention  prometheus.Counter
+	ginPages   prometheus.Counter
+	ginSeconds prometheus.Counter
 	db         *dbCollector
 }
 
@@ -105,6 +107,14 @@ func New(cfg Config) *Metrics {
 		Name: "outbox_retention_deleted_total",
 		Help: "Done events deleted by the retention job run in this process.",
 	})
+	m.ginPages = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "outbox_river_gin_clean_pages_total",
+		Help: "Pending-list pages of River's GIN indexes merged by this process's cleaner (OUTBOX_RIVER_GIN_CLEAN_INTERVAL_MS).",
+	})
+	m.ginSeconds = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "outbox_river_gin_clean_seconds_total",
+		Help: "Time this process's cleaner spent merging River's GIN pending lists.",
+	})
 	m.db = &dbCollector{m: m}
 	return m
 }
@@ -133,7 +143,7 @@ func (m *Metrics) Register(reg prometheus.Registerer) error {
 		})
 	}
 	cs := []prometheus.Collector{
-		m.dispatched, m.failed, m.jobs, m.retried, m.batches, m.batchSize, m.latency, m.retention, m.db,
+		m.dispatched, m.failed, m.jobs, m.retried, m.batches, m.batchSize, m.latency, m.retention, m.ginPages, m.ginSeconds, m.db,
 		gauge("outbox_listener_connected", "1 while the LISTEN connection is up (0 in poll-only mode).", func(d *dispatcher.Dispatcher) float64 { return b2f(d.ListenerConnected()) }),
 		gauge("outbox_dispatcher_running", "1 while the dispatch loop runs.", func(d *dispatcher.Dispatcher) float64 { return b2f(d.Running()) }),
 		counter("outbox_dispatcher_wakes_total", "Dispatcher wake-ups by notification.", func(s dispatcher.Stats) int64 { return s.Wakes }),
@@ -183,6 +193,13 @@ func (m *Metrics) OnBatch(r claim.Result) {
 // OnRetentionBatch records rows deleted by retention; use it as
 // retention.Config.OnBatch.
 func (m *Metrics) OnRetentionBatch(deleted int) { m.retention.Add(float64(deleted)) }
+
+// OnGINClean records one call of River's GIN cleaner; use it as
+// outboxriver.GINCleanerConfig.OnClean.
+func (m *Metrics) OnGINClean(pages int64, took time.Duration) {
+	m.ginPages.Add(float64(pages))
+	m.ginSeconds.Add(took.Seconds())
+}
 
 // Alerter returns an alerter that counts failed events (unroutable,
 // dead_letter) by route and forwards every alert to next.

@@ -137,7 +137,7 @@ func TestPlainInsertWithOrderingKey(t *testing.T) {
 		}
 	}
 
-	p := rolePool(t, s, "outbox_producer")
+	p := pgtest.RolePool(t, s, "outbox_producer")
 	var byProducer int64
 	if err := p.QueryRow(ctx, `INSERT INTO outbox_event (event_type, payload, tenant_id, ordering_key) VALUES ('order.item.added', '{}', 'acme', 'order-42') RETURNING id`).Scan(&byProducer); err != nil {
 		t.Fatalf("plain INSERT of ordering_key as producer: %v", err)

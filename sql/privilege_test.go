@@ -23,30 +23,6 @@ import (
 	outboxsql "github.com/outboxhq/outbox/sql"
 )
 
-// rolePool connects to the schema as role (the role is a startup
-// parameter, so every connection of the pool, including the dispatcher's
-// dedicated listener and wake-lock connections copied from its config,
-// runs as that role).
-func rolePool(t *testing.T, s *pgtest.Schema, role string) *pgxpool.Pool {
-	t.Helper()
-	cfg, err := pgxpool.ParseConfig(s.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.ConnConfig.RuntimeParams["role"] = role
-	cfg.MaxConns = 6
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	var cur string
-	if err := pool.QueryRow(context.Background(), `SELECT current_user`).Scan(&cur); err != nil || cur != role {
-		t.Fatalf("current_user = %q (%v), want %q", cur, err, role)
-	}
-	return pool
-}
-
 func isInsufficientPrivilege(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Code == "42501"
@@ -66,7 +42,7 @@ func TestProducerRoleCanOnlyPublish(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	p := rolePool(t, s, "outbox_producer")
+	p := pgtest.RolePool(t, s, "outbox_producer")
 	published := 0
 	// Go's Publish/PublishMany and outbox_publish need SELECT on
 	// dispatch_key (ON CONFLICT's arbiter, the duplicate lookup) and, for
@@ -174,8 +150,8 @@ func TestDispatcherRoleDispatches(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
 	ctx := pgtest.Context(t, 90*time.Second)
-	prod := rolePool(t, s, "outbox_producer")
-	disp := rolePool(t, s, "outbox_dispatcher")
+	prod := pgtest.RolePool(t, s, "outbox_producer")
+	disp := pgtest.RolePool(t, s, "outbox_dispatcher")
 
 	routes, err := route.New([]route.Rule{
 		{Prefix: "mail.", Queues: []string{"outbox_mail"}},
@@ -280,7 +256,7 @@ func TestOperatorRoleReadsAndRequeues(t *testing.T) {
 	if _, err := s.Pool.Exec(ctx, `INSERT INTO outbox_event (event_type, payload, status, last_error) VALUES ('a.b.c', '{}', 'failed', 'x')`); err != nil {
 		t.Fatal(err)
 	}
-	op := rolePool(t, s, "outbox_operator")
+	op := pgtest.RolePool(t, s, "outbox_operator")
 	for _, q := range []string{
 		`SELECT count(*) FROM outbox_event WHERE status = 'failed'`,
 		`SELECT count(*) FROM river_job`,

@@ -34,7 +34,7 @@ func TestRoutesSyncAsOperator(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
 	ctx := pgtest.Context(t, 60*time.Second)
-	op := rolePool(t, s, "outbox_operator")
+	op := pgtest.RolePool(t, s, "outbox_operator")
 	sync := func(dry bool, routes string, strict *bool) (syncResult, error) {
 		var r syncResult
 		err := op.QueryRow(ctx, syncSQL, "alice", dry, routes, strict).Scan(&r.added, &r.removed, &r.changed, &r.unchanged, &r.before, &r.after, &r.auditID)
@@ -111,7 +111,7 @@ func TestRoutesSyncAsOperator(t *testing.T) {
 		t.Error("a prefix the routes file refuses was synced")
 	}
 
-	d := rolePool(t, s, "outbox_dispatcher")
+	d := pgtest.RolePool(t, s, "outbox_dispatcher")
 	if n := pgtest.Count(t, d, `SELECT count(*) FROM outbox_route`); n != 2 {
 		t.Fatalf("dispatcher reads %d routes", n)
 	}
@@ -146,7 +146,7 @@ func TestStrictRoutingAsProducer(t *testing.T) {
 	if _, err := s.Pool.Exec(ctx, `SELECT * FROM outbox_routes_sync('test', false, '[{"prefix": "mail.", "queues": ["outbox_mail"]}]', true)`); err != nil {
 		t.Fatal(err)
 	}
-	p := rolePool(t, s, "outbox_producer")
+	p := pgtest.RolePool(t, s, "outbox_producer")
 	err := pgx.BeginFunc(ctx, p, func(tx pgx.Tx) error {
 		_, err := outbox.PublishMany(ctx, tx, []outbox.Event{{Type: "mail.a.b"}, {Type: "mail.a.c", NotBefore: time.Now().Add(time.Minute)}})
 		return err

@@ -39,6 +39,7 @@ import (
 	"github.com/outboxhq/outbox/internal/service"
 	"github.com/outboxhq/outbox/metrics"
 	"github.com/outboxhq/outbox/retention"
+	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
 )
 
@@ -216,6 +217,21 @@ func run() int {
 			return 1
 		}
 		services = append(services, service.Named{Name: "retention", Service: ret})
+	}
+	// River's GIN pending lists are merged in small pieces, off the
+	// handoff's and the workers' path, by every process (their calls
+	// queue behind each other in Postgres).
+	if cfg.RiverGINCleanIntervalMS > 0 {
+		gc, err := outboxriver.NewGINCleaner(pool, outboxriver.GINCleanerConfig{
+			Interval: time.Duration(cfg.RiverGINCleanIntervalMS) * time.Millisecond,
+			Logger:   logger,
+			OnClean:  m.OnGINClean,
+		})
+		if err != nil {
+			logger.Error("cannot start River's GIN cleaner", slog.String("error", err.Error()))
+			return 1
+		}
+		services = append(services, service.Named{Name: "River GIN cleaner", Service: gc})
 	}
 	var running service.Group
 	if err := running.Start(ctx, services...); err != nil {

@@ -15,14 +15,23 @@ import (
 )
 
 // TestDaemonServesMetricsAndRunsRetention starts outboxd with
-// OUTBOX_HTTP_ADDR: /metrics shows the dispatch, /readyz is ready, and the
-// retention job purged the old done rows at start-up.
+// OUTBOX_HTTP_ADDR: /metrics shows the dispatch, /readyz is ready, the
+// retention job purged the old done rows at start-up, and the GIN cleaner
+// merged the pending lists that 2,000 River jobs filled.
 func TestDaemonServesMetricsAndRunsRetention(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
 	ctx := context.Background()
 	if _, err := s.Pool.Exec(ctx, `INSERT INTO outbox_event (event_type, payload, status, processed_at)
 		SELECT 'mail.user.welcome', '{}', 'done', now() - interval '60 days' FROM generate_series(1, 30)`); err != nil {
+		t.Fatal(err)
+	}
+	// River jobs whose GIN entries wait in the pending lists (autovacuum,
+	// which would merge them too, is off for the table).
+	if _, err := s.Pool.Exec(ctx, `ALTER TABLE river_job SET (autovacuum_enabled = false);
+		INSERT INTO river_job (args, kind, max_attempts, queue, state, finalized_at)
+		SELECT jsonb_object_agg('k' || k, 'v' || g || '-' || k), 'gin_test', 1, 'gin_test', 'completed', now()
+		FROM generate_series(1, 2000) g, generate_series(1, 20) k GROUP BY g`); err != nil {
 		t.Fatal(err)
 	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -33,7 +42,8 @@ func TestDaemonServesMetricsAndRunsRetention(t *testing.T) {
 	ln.Close()
 	routes, _ := filepath.Abs("../../docs/examples/routes.yaml")
 	cmd, out := daemon(t, "OUTBOX_DISPATCHER_ENABLED=true", "OUTBOX_ROUTES_FILE="+routes, "DATABASE_URL="+s.URL,
-		"OUTBOX_HTTP_ADDR="+addr, "OUTBOX_DONE_RETENTION_BATCH_SIZE=7", "OUTBOX_DISPATCH_INTERVAL_MS=200")
+		"OUTBOX_HTTP_ADDR="+addr, "OUTBOX_DONE_RETENTION_BATCH_SIZE=7", "OUTBOX_DISPATCH_INTERVAL_MS=200",
+		"OUTBOX_RIVER_GIN_CLEAN_INTERVAL_MS=50")
 	waitLog(t, out, "serving /metrics")
 	if _, err := s.Pool.Exec(ctx, `SELECT outbox_publish('billing.invoice.paid', '{}') FROM generate_series(1, 3)`); err != nil {
 		t.Fatal(err)
@@ -53,10 +63,12 @@ func TestDaemonServesMetricsAndRunsRetention(t *testing.T) {
 			t.Logf("last /metrics:\n%s", body)
 		}
 	})
-	pgtest.WaitFor(t, 30*time.Second, "/metrics to show 3 dispatched and 30 purged", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "/metrics to show 3 dispatched, 30 purged and GIN pages merged", func() bool {
 		_, body = get("/metrics")
 		return strings.Contains(body, `outbox_events_dispatched_total{route="billing."} 3`) &&
-			strings.Contains(body, "outbox_retention_deleted_total 30")
+			strings.Contains(body, "outbox_retention_deleted_total 30") &&
+			strings.Contains(body, "\noutbox_river_gin_clean_pages_total ") &&
+			!strings.Contains(body, "\noutbox_river_gin_clean_pages_total 0\n")
 	})
 	if code, body := get("/readyz"); code != http.StatusOK {
 		t.Fatalf("/readyz = %d %q", code, body)

@@ -47,6 +47,9 @@ type Config struct {
 
 	RiverFetchCooldownMS     int `envconfig:"OUTBOX_RIVER_FETCH_COOLDOWN_MS" default:"1"`
 	RiverFetchPollIntervalMS int `envconfig:"OUTBOX_RIVER_FETCH_POLL_INTERVAL_MS" default:"100"`
+	// How often River's GIN pending lists are merged (outboxriver.GINCleaner);
+	// 0 turns the cleaner off.
+	RiverGINCleanIntervalMS int `envconfig:"OUTBOX_RIVER_GIN_CLEAN_INTERVAL_MS" default:"200"`
 	// The workers' job timeout and River's rescue of jobs left running by
 	// a dead worker process (River's JobTimeout and RescueStuckJobsAfter).
 	// A job of an ordering key holds its key until it is finalized, so a
@@ -127,6 +130,7 @@ func (c *Config) Validate() error {
 		{"OUTBOX_LISTEN_PING_INTERVAL_MS", c.ListenPingIntervalMS, 100, 600_000},
 		{"OUTBOX_RIVER_FETCH_COOLDOWN_MS", c.RiverFetchCooldownMS, 1, 60_000},
 		{"OUTBOX_RIVER_FETCH_POLL_INTERVAL_MS", c.RiverFetchPollIntervalMS, 1, 600_000},
+		{"OUTBOX_RIVER_GIN_CLEAN_INTERVAL_MS", c.RiverGINCleanIntervalMS, 0, 3_600_000},
 		{"OUTBOX_WORKER_JOB_TIMEOUT_S", c.WorkerJobTimeoutS, 1, 86_400},
 		{"OUTBOX_WORKER_RESCUE_AFTER_S", c.WorkerRescueAfterS, 1, 604_800},
 		{"OUTBOX_DATABASE_MAX_CONNS", c.DatabaseMaxConns, 0, 10_000},

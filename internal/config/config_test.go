@@ -17,7 +17,8 @@ func TestDefaults(t *testing.T) {
 		t.Fatal(err)
 	}
 	if c.DispatcherEnabled || c.DispatchIntervalMS != 1000 || c.DispatchBatchSize != 100 || c.DispatchConcurrency != 10 ||
-		c.MaxRetries != 6 || c.DoneRetentionHours != 720 || c.DoneRetentionBatchSize != 1000 || !c.ListenEnabled {
+		c.MaxRetries != 6 || c.DoneRetentionHours != 720 || c.DoneRetentionBatchSize != 1000 || !c.ListenEnabled ||
+		c.RiverGINCleanIntervalMS != 200 {
 		t.Fatalf("defaults = %+v", c)
 	}
 	d := c.Dispatcher()
@@ -46,6 +47,7 @@ func TestInvalidValuesNameTheVariable(t *testing.T) {
 		{"OUTBOX_LISTEN_ENABLED", "maybe", `OUTBOX_LISTEN_ENABLED="maybe"`},
 		{"OUTBOX_RIVER_FETCH_COOLDOWN_MS", "0", "OUTBOX_RIVER_FETCH_COOLDOWN_MS=0"},
 		{"OUTBOX_RIVER_FETCH_POLL_INTERVAL_MS", "0", "OUTBOX_RIVER_FETCH_POLL_INTERVAL_MS=0"},
+		{"OUTBOX_RIVER_GIN_CLEAN_INTERVAL_MS", "-1", "OUTBOX_RIVER_GIN_CLEAN_INTERVAL_MS=-1 is out of range"},
 		{"OUTBOX_LISTEN_PING_INTERVAL_MS", "10", "OUTBOX_LISTEN_PING_INTERVAL_MS=10"},
 		{"OUTBOX_WORKER_JOB_TIMEOUT_S", "0", "OUTBOX_WORKER_JOB_TIMEOUT_S=0 is out of range"},
 		{"OUTBOX_WORKER_RESCUE_AFTER_S", "30", "OUTBOX_WORKER_RESCUE_AFTER_S=30 must not be shorter than OUTBOX_WORKER_JOB_TIMEOUT_S=60"},

@@ -343,3 +343,27 @@ func (s *Schema) ListenRiverInsert(tb testing.TB, ctx context.Context) func() []
 		}
 	}
 }
+
+// RolePool connects to s as role (a startup parameter, so every connection
+// of the pool, including the dispatcher's dedicated listener and wake-lock
+// connections copied from its config, runs as that role), checks that it
+// does, and closes the pool when the test ends.
+func RolePool(tb testing.TB, s *Schema, role string) *pgxpool.Pool {
+	tb.Helper()
+	cfg, err := pgxpool.ParseConfig(s.URL)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["role"] = role
+	cfg.MaxConns = 6
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(pool.Close)
+	var cur string
+	if err := pool.QueryRow(context.Background(), `SELECT current_user`).Scan(&cur); err != nil || cur != role {
+		tb.Fatalf("current_user = %q (%v), want %q", cur, err, role)
+	}
+	return pool
+}
