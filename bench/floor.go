@@ -28,7 +28,8 @@ const modeFloor = "relay-floor"
 const floorBatch = 100
 
 // floorHandoffSQL hands off up to $2 due events into River queue $1 in one
-// statement and returns their ids.
+// statement and returns their ids; its second column only makes the
+// statement send River's insert notification when it handed any off.
 const floorHandoffSQL = `
 WITH c AS (
     SELECT id, event_type, payload, created_at

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/internal/pgtest"
 )
 
 // TestFloorRelay runs the latency scenario's floor relay against a real
@@ -69,12 +70,9 @@ func TestFloorRelay(t *testing.T) {
 	for range more {
 		publish(1)
 	}
-	deadline := time.Now().Add(time.Minute)
-	for c.worked.Load() < int64(len(ids)) && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
-	}
+	pgtest.WaitFor(t, time.Minute, "every job worked", func() bool { return c.worked.Load() >= int64(len(ids)) })
 	if got := c.worked.Load(); got != int64(len(ids)) {
-		t.Fatalf("%d of %d jobs worked", got, len(ids))
+		t.Fatalf("%d jobs worked for %d events", got, len(ids))
 	}
 	if err := relay.stop(); err != nil {
 		t.Fatalf("relay: %v", err)

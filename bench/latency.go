@@ -214,7 +214,7 @@ func workerClient(ctx context.Context, e *env, p *pgxpool.Pool, c *clocks) (*riv
 	return rc, nil
 }
 
-func latencyMode(ctx context.Context, e *env, spec loadSpec) (out LatencyResult, retErr error) {
+func latencyMode(ctx context.Context, e *env, spec loadSpec) (_ LatencyResult, retErr error) {
 	mode, schema := spec.mode, spec.schema
 	res := LatencyResult{Mode: mode, Rate: spec.rate, Duration: spec.duration.String()}
 	p, err := e.migrated(ctx, schema, int32(max(24, spec.producers+8)))
@@ -241,6 +241,7 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (out LatencyResult,
 
 	var (
 		d        *dispatcher.Dispatcher
+		gc       *outboxriver.GINCleaner
 		insertRC *river.Client[pgx.Tx]
 	)
 	switch mode {
@@ -285,17 +286,13 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (out LatencyResult,
 		// outboxd merges River's GIN pending lists beside its dispatcher
 		// (OUTBOX_RIVER_GIN_CLEAN_INTERVAL_MS); River-direct and the floor
 		// run River as it comes, without.
-		gc, err := outboxriver.NewGINCleaner(p, outboxriver.GINCleanerConfig{})
-		if err != nil {
+		if gc, err = outboxriver.NewGINCleaner(p, outboxriver.GINCleanerConfig{}); err != nil {
 			return res, err
 		}
 		if err := gc.Start(ctx); err != nil {
 			return res, err
 		}
-		defer func() {
-			_ = gc.Stop(context.WithoutCancel(ctx))
-			_, out.GINCleanPages = gc.Stats() // after the return set out
-		}()
+		defer func() { _ = gc.Stop(context.WithoutCancel(ctx)) }()
 	case modeRiverDirect:
 		insertRC, err = outboxriver.NewInsertClient(p, outboxriver.InsertClientConfig{})
 		if err != nil {
@@ -431,6 +428,9 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (out LatencyResult,
 		c.mu.Lock()
 		res.DrainSeconds = max(0, c.lastWork.Sub(lastCommit).Seconds())
 		c.mu.Unlock()
+	}
+	if gc != nil {
+		_, res.GINCleanPages = gc.Stats()
 	}
 	if d != nil {
 		s := d.Stats()

@@ -23,6 +23,10 @@
 //
 // PurgeReceipts deletes receipts after their TTL.
 //
+// River's GIN pending lists: GINCleaner merges them in small pieces beside
+// the dispatcher (outboxd runs one), so that no River insert or fetch on
+// the outbox's path stalls merging a full list (docs/operations.md).
+//
 // Tracing: a job carries its producer's W3C trace context in its metadata
 // (MetadataTraceParent, MetadataTraceState). Worker runs each handler in an
 // "outbox.handle" span whose parent is the producer's span, and

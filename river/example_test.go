@@ -187,3 +187,23 @@ func ExampleWithIdempotencyJob() {
 	}
 	_ = work
 }
+
+// A process that runs its own dispatcher (dispatcher.New) and wants what
+// outboxd does beside it: River's GIN pending lists merged in small
+// pieces, at most every 200 ms (migration 015's outbox_river_gin_clean()).
+func ExampleNewGINCleaner() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, "postgres://postgres@127.0.0.1:5432/app")
+	if err != nil {
+		panic(err)
+	}
+	cleaner, err := outboxriver.NewGINCleaner(pool, outboxriver.GINCleanerConfig{Interval: outboxriver.DefaultGINCleanInterval})
+	if err != nil {
+		panic(err)
+	}
+	if err := cleaner.Start(ctx); err != nil {
+		panic(err)
+	}
+	defer func() { _ = cleaner.Stop(ctx) }()
+	// ... run the dispatcher ...
+}

@@ -110,8 +110,14 @@ func (c *GINCleaner) Stop(ctx context.Context) error { return c.life.Stop(ctx) }
 // Stats returns the successful calls so far and the pages they merged.
 func (c *GINCleaner) Stats() (calls, pages int64) { return c.calls.Load(), c.pages.Load() }
 
+// Stopped returns a channel closed once the cleaner's goroutine has
+// returned: after Stop, or when a call that cannot succeed disabled it (nil
+// before Start).
+func (c *GINCleaner) Stopped() <-chan struct{} { return c.life.Stopped() }
+
 // Disabled reports whether the cleaner stopped for good after a call that
-// cannot succeed (no privilege, no migration 015).
+// cannot succeed (no privilege, no migration 015); its warning is logged
+// by then.
 func (c *GINCleaner) Disabled() bool { return c.disabled.Load() }
 
 // Clean makes one call and returns the pages it merged.
@@ -148,11 +154,11 @@ func (c *GINCleaner) loop(ctx context.Context) {
 		case err == nil:
 			wait = nextGINWait(c.cfg.Interval, wait, pages)
 		case permanent(err):
-			c.disabled.Store(true)
 			c.cfg.Logger.Warn("outbox stops cleaning River's GIN pending lists: "+
 				"outbox_river_gin_clean() needs migration 015 and an owner of River's river_job indexes "+
 				"(apply the migrations as the role that owns River's tables); set OUTBOX_RIVER_GIN_CLEAN_INTERVAL_MS=0 to silence this",
 				slog.String("error", err.Error()))
+			c.disabled.Store(true)
 			return
 		case time.Since(lastLog) >= time.Minute:
 			lastLog = time.Now()
