@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/outboxhq/outbox/claim"
-	outboxriver "github.com/outboxhq/outbox/river"
 )
 
 // ScheduledResult is the claim of due events beside a backlog of events
@@ -57,11 +56,7 @@ func runScheduled(ctx context.Context, e *env, o *Options) ([]ScheduledResult, e
 			if _, err := p.Exec(ctx, `ANALYZE outbox_event`); err != nil {
 				return err
 			}
-			rc, err := outboxriver.NewInsertClient(p, outboxriver.InsertClientConfig{})
-			if err != nil {
-				return err
-			}
-			h := &claim.Handoff{Pool: p, River: rc, Routes: e.routes, MaxRetries: 6}
+			h := &claim.Handoff{Pool: p, Routes: e.routes, MaxRetries: 6}
 			batch, empty := newHist(), newHist()
 			for range rounds {
 				if _, err := p.Exec(ctx, `SELECT outbox_publish($1, '{}'::jsonb) FROM generate_series(1, $2)`, eventType, due); err != nil {

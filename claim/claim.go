@@ -1,7 +1,9 @@
 // Package claim holds the dispatcher's SQL and its batch transaction: claim
 // due events with FOR UPDATE SKIP LOCKED, route them, insert one River job
-// per (event, queue) through an insert-only River client, and mark the
-// events done, all in one transaction, so that the handoff is exactly-once.
+// per (event, queue) and mark the events done, all in one transaction, so
+// that the handoff is exactly-once. The jobs are River's rows as River's
+// InsertManyTx makes them, inserted by the statement that marks their
+// events done (handoffSQL): a batch costs two round trips and the COMMIT.
 //
 // A batch whose River insert fails is rolled back and retried event by
 // event, each in its own transaction, so that one poison event fails alone:
@@ -27,7 +29,6 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/rivertype"
 
 	"github.com/outboxhq/outbox"
 	"github.com/outboxhq/outbox/alert"
@@ -242,20 +243,6 @@ FROM outbox_event
 WHERE id = $1 AND status = 'pending'
 FOR UPDATE SKIP LOCKED`)
 
-// markDoneSQL marks events done and records their River job ids. $1 and $2
-// are parallel arrays (event id, job id), one entry per job, in route order.
-// processed_at is the handoff time, clock_timestamp() right after River's
-// insert, not now() (the start of the batch transaction, before the claim).
-const markDoneSQL = `
-UPDATE outbox_event e
-SET status = 'done', processed_at = clock_timestamp(), locked_until = NULL, river_job_ids = j.ids
-FROM (
-    SELECT event_id, array_agg(job_id ORDER BY ord) AS ids
-    FROM unnest($1::bigint[], $2::bigint[]) WITH ORDINALITY AS t(event_id, job_id, ord)
-    GROUP BY event_id
-) j
-WHERE e.id = j.event_id`
-
 // markBrokenSQL dead-letters rows that can never be handed off (see
 // rowFault), at once: retrying cannot change what is stored. $1 and $2 are
 // parallel arrays of event ids and reasons.
@@ -301,7 +288,6 @@ WHERE status = 'processing' AND (locked_until < now() OR locked_until IS NULL)`
 // Handoff runs batches. Its fields must be set before use and not changed.
 type Handoff struct {
 	Pool   *pgxpool.Pool
-	River  *river.Client[pgx.Tx]
 	Routes *route.Table
 	// MaxRetries is the number of failed attempts after which the next
 	// failure dead-letters the event.
@@ -475,7 +461,7 @@ func (h *Handoff) batch(ctx context.Context, sql string, args ...any) (Result, e
 	}
 	if len(events) == 0 {
 		// Nothing locked, nothing written.
-		return res, finish(tctx, tx, nil)
+		return res, finish(tctx, tx, nil, nil)
 	}
 
 	batchRes, unroutable, err := h.handoff(tctx, tx, events)
@@ -547,7 +533,7 @@ func (h *Handoff) one(ctx context.Context, id int64, batchErr error) (Result, er
 	defer rollback(ctx, tx)
 	if len(events) == 0 || events[0].blocked {
 		res.Skipped = 1
-		return res, finish(tctx, tx, nil)
+		return res, finish(tctx, tx, nil, nil)
 	}
 	res.Claimed = 1
 	oneRes, unroutable, err := h.handoff(tctx, tx, events)
@@ -748,6 +734,8 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		final      []queued
 		params     = make([]river.InsertManyParams, 0, len(events))
 		jobEvent   = make([]int64, 0, len(events))
+		// jobPos is each job's place among its event's jobs (route order).
+		jobPos = make([]int, 0, len(events))
 		// stopped holds the ordering keys whose event in this batch was
 		// failed at once (broken or unroutable): their later events wait.
 		stopped map[orderingScope]bool
@@ -798,9 +786,10 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		// One job per queue of the rule, shaped by the route (kind, args,
 		// priority, max attempts, tags) and carrying the event in its
 		// metadata; in the rule's order, so river_job_ids keeps route order.
-		for _, p := range outboxriver.JobParams(rule, args) {
+		for k, p := range outboxriver.JobParams(rule, args) {
 			params = append(params, p)
 			jobEvent = append(jobEvent, e.ID)
+			jobPos = append(jobPos, k)
 			locks = append(locks, jobLock{keyed: keyed, lock: lockorder.Key{Tenant: scope.tenant, OrderingKey: scope.key, Queue: p.InsertOpts.Queue}})
 			anyKeyed = anyKeyed || keyed
 		}
@@ -816,48 +805,22 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 			}
 		}
 	}
+	var counts [3]int64 // jobs inserted, events marked done, queues announced
 	if len(params) > 0 {
-		var order []int
+		order := make([]int, len(params))
+		for i := range order {
+			order[i] = i
+		}
 		if anyKeyed {
 			order = insertOrder(locks)
 		}
-		toInsert := params
-		if order != nil {
-			toInsert = make([]river.InsertManyParams, len(params))
-			for i, j := range order {
-				toInsert[i] = params[j]
+		var cols jobColumns
+		for _, j := range order {
+			if err := cols.add(jobEvent[j], jobPos[j], params[j]); err != nil {
+				return res, nil, fmt.Errorf("event %d: %w", jobEvent[j], err)
 			}
 		}
-		inserted, err := h.River.InsertManyTx(ctx, tx, toInsert)
-		if err != nil {
-			return res, nil, fmt.Errorf("insert River jobs: %w", err)
-		}
-		if len(inserted) != len(params) {
-			return res, nil, fmt.Errorf("insert River jobs: River returned %d results for %d jobs", len(inserted), len(params))
-		}
-		jobIDs := make([]int64, len(inserted))
-		for i, r := range inserted {
-			if order != nil {
-				jobIDs[order[i]] = r.Job.ID
-			} else {
-				jobIDs[i] = r.Job.ID
-			}
-		}
-		final = append(final, queued{"mark done", markDoneSQL, []any{jobEvent, jobIDs}})
-		// Announce every queue that got jobs a worker may fetch, in the
-		// transaction: River's own notification is rate-limited per client
-		// and has no trailing send (outboxriver.AnnounceSQL). Ordered jobs
-		// queued behind their key's head (pending) are announced when the
-		// ordering trigger releases them.
-		queues := make([]string, 0, len(inserted))
-		for _, r := range inserted {
-			if r.Job.State != rivertype.JobStatePending {
-				queues = append(queues, r.Job.Queue)
-			}
-		}
-		if len(queues) > 0 {
-			final = append(final, queued{"announce the jobs", outboxriver.AnnounceSQL, []any{outboxriver.AnnouncePayloads(queues)}})
-		}
+		final = append(final, queued{what: "insert River jobs and mark events done", sql: handoffSQL, args: cols.sqlArgs(), row: []any{&counts[0], &counts[1], &counts[2]}})
 		res.Jobs = len(params)
 	}
 	if len(unroutable) > 0 {
@@ -865,7 +828,7 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		for i, e := range unroutable {
 			ids[i] = e.ID
 		}
-		final = append(final, queued{"mark unroutable", markUnroutableSQL, []any{ids}})
+		final = append(final, queued{what: "mark unroutable", sql: markUnroutableSQL, args: []any{ids}})
 		res.Unroutable = len(unroutable)
 	}
 	if len(broken) > 0 {
@@ -874,10 +837,16 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		for i, e := range broken {
 			ids[i], msgs[i] = e.ID, e.fault
 		}
-		final = append(final, queued{"dead-letter broken rows", markBrokenSQL, []any{ids, msgs}})
+		final = append(final, queued{what: "dead-letter broken rows", sql: markBrokenSQL, args: []any{ids, msgs}})
 		res.Broken = len(broken)
 	}
-	if err := finish(ctx, tx, final); err != nil {
+	check := func() error {
+		if len(params) > 0 && (counts[0] != int64(len(params)) || counts[1] != int64(res.Done)) {
+			return fmt.Errorf("insert River jobs and mark events done: %d jobs inserted for %d, %d events marked done for %d", counts[0], len(params), counts[1], res.Done)
+		}
+		return nil
+	}
+	if err := finish(ctx, tx, final, check); err != nil {
 		return res, nil, err
 	}
 	h.alertBroken(ctx, broken)

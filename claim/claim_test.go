@@ -14,7 +14,6 @@ import (
 	"github.com/outboxhq/outbox/alert"
 	"github.com/outboxhq/outbox/claim"
 	"github.com/outboxhq/outbox/internal/pgtest"
-	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
 )
 
@@ -27,11 +26,7 @@ func newHandoff(t *testing.T, pool *pgxpool.Pool, maxRetries int, al alert.Alert
 	if err != nil {
 		t.Fatal(err)
 	}
-	rc, err := outboxriver.NewInsertClient(pool, outboxriver.InsertClientConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &claim.Handoff{Pool: pool, River: rc, Routes: routes, MaxRetries: maxRetries, Alerter: al}
+	return &claim.Handoff{Pool: pool, Routes: routes, MaxRetries: maxRetries, Alerter: al}
 }
 
 // poisonRiver makes River's insert fail for events whose type starts with

@@ -61,16 +61,18 @@ func readClaim(br pgx.BatchResults) ([]Event, error) {
 	return pgx.CollectRows(rows, scanEvent)
 }
 
-// queued is one statement of the final step of a batch.
+// queued is one statement of the final step of a batch. A statement with
+// row returns one row, scanned into it.
 type queued struct {
 	what string
 	sql  string
 	args []any
+	row  []any
 }
 
 // finish runs the final statements of a batch in tx, in one round trip,
-// and commits.
-func finish(ctx context.Context, tx pgx.Tx, stmts []queued) error {
+// then check (if not nil) on what they returned, and commits.
+func finish(ctx context.Context, tx pgx.Tx, stmts []queued, check func() error) error {
 	if len(stmts) > 0 {
 		b := &pgx.Batch{}
 		for _, s := range stmts {
@@ -78,12 +80,23 @@ func finish(ctx context.Context, tx pgx.Tx, stmts []queued) error {
 		}
 		br := tx.SendBatch(ctx, b)
 		for _, s := range stmts {
-			if _, err := br.Exec(); err != nil {
+			var err error
+			if s.row != nil {
+				err = br.QueryRow().Scan(s.row...)
+			} else {
+				_, err = br.Exec()
+			}
+			if err != nil {
 				_ = br.Close()
 				return fmt.Errorf("%s: %w", s.what, err)
 			}
 		}
 		if err := br.Close(); err != nil {
+			return err
+		}
+	}
+	if check != nil {
+		if err := check(); err != nil {
 			return err
 		}
 	}

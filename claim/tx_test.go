@@ -95,7 +95,7 @@ func TestBatchTxHonoursThePgxTxContract(t *testing.T) {
 
 	t.Run("every method refuses after Commit", func(t *testing.T) {
 		conn, tx := begin(t)
-		if err := finish(ctx, tx, nil); err != nil {
+		if err := finish(ctx, tx, nil, nil); err != nil {
 			t.Fatal(err)
 		}
 		closedEverywhere(t, conn, tx)
@@ -164,7 +164,7 @@ func TestBatchTxHonoursThePgxTxContract(t *testing.T) {
 		if err := kept.Commit(ctx); err != nil {
 			t.Fatal(err)
 		}
-		if err := finish(ctx, tx, nil); err != nil {
+		if err := finish(ctx, tx, nil, nil); err != nil {
 			t.Fatal(err)
 		}
 		var got []int32
@@ -214,7 +214,7 @@ func TestBatchTxHonoursThePgxTxContract(t *testing.T) {
 		if _, err := tx.Exec(ctx, `SELECT 1/0`); err == nil {
 			t.Fatal("division by zero succeeded")
 		}
-		if err := finish(ctx, tx, nil); !errors.Is(err, pgx.ErrTxCommitRollback) {
+		if err := finish(ctx, tx, nil, nil); !errors.Is(err, pgx.ErrTxCommitRollback) {
 			t.Fatalf("commit: %v, want ErrTxCommitRollback", err)
 		}
 		if st := conn.Conn().PgConn().TxStatus(); st != 'I' {

@@ -37,7 +37,6 @@ import (
 	"github.com/outboxhq/outbox/claim"
 	"github.com/outboxhq/outbox/internal/service"
 	"github.com/outboxhq/outbox/listener"
-	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
 )
 
@@ -283,20 +282,12 @@ func New(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	// Every batch announces its queues with its final statements
-	// (claim, outboxriver.AnnounceSQL), so River's own notification, a
-	// round trip of its own in every batch, is off.
-	rc, err := outboxriver.NewInsertClient(pool, outboxriver.InsertClientConfig{Silent: true})
-	if err != nil {
-		return nil, fmt.Errorf("dispatcher: River client: %w", err)
-	}
 	d := &Dispatcher{
 		cfg:    cfg,
 		pool:   pool,
 		logger: cfg.Logger,
 		handoff: &claim.Handoff{
 			Pool:              pool,
-			River:             rc,
 			Routes:            cfg.Routes,
 			MaxRetries:        cfg.MaxRetries,
 			BatchBytes:        cfg.BatchBytes,

@@ -28,10 +28,11 @@ import (
 //  4. route: in the same transaction each event's type is matched against
 //     the routes (route.Table, longest prefix wins); an event no rule
 //     matches is failed and alerted.
-//  5. insert: River's InsertManyTx inserts one job per (event, route queue),
-//     still in that transaction.
-//  6. done: the same transaction marks the events done with their job ids
-//     and commits; any failure rolls the whole batch back to pending, and
+//  5. insert and done: one statement of that transaction inserts one River
+//     job per (event, route queue), as River's InsertManyTx would, and
+//     marks the events done with their job ids.
+//  6. commit: the transaction commits; any failure rolls the whole batch
+//     back to pending, and
 //     claim.Handoff retries it event by event so that only the failing
 //     event is charged (backoff, then failed).
 //

@@ -67,10 +67,10 @@ type InsertClientConfig struct {
 	FetchCooldown time.Duration
 	// Silent switches River's own insert notification off (after the
 	// client's first insert), for a caller that announces every insert
-	// itself in the same transaction (AnnounceSQL), as the dispatcher's
-	// handoff does: River sends its notification in a round trip of its
-	// own, which the handoff saves by sending the announcement with the
-	// statements that end the batch. FetchCooldown is then ignored.
+	// itself in the same transaction (AnnounceSQL): River sends its
+	// notification in a round trip of its own, which such a caller saves
+	// by sending the announcement with its other statements. FetchCooldown
+	// is then ignored.
 	Silent bool
 }
 
@@ -80,8 +80,10 @@ type InsertClientConfig struct {
 const silentCooldown = 100 * 365 * 24 * time.Hour
 
 // NewInsertClient returns an insert-only River client (no queues, no
-// workers) for the dispatcher. Its jobs are worked by other clients, so it
-// skips River's check that a worker is registered for the kind.
+// workers), with the outbox's low-latency notification settings, for an
+// application that inserts jobs worked by other clients: it skips River's
+// check that a worker is registered for the kind. (The dispatcher itself
+// inserts its jobs in its handoff statement; see package claim.)
 func NewInsertClient(pool *pgxpool.Pool, cfg InsertClientConfig) (*river.Client[pgx.Tx], error) {
 	cooldown := cfg.FetchCooldown
 	switch {

@@ -1,12 +1,13 @@
 // Package outboxriver is the River side of the outbox.
 //
 // The handoff: every handed-off event becomes one River job per routed
-// queue, with args EventArgs (kind "outbox_event"), inserted by the
-// dispatcher's insert-only client (NewInsertClient) in the transaction that
-// marks the event done. That transaction also announces the queues it
-// inserted into (AnnounceSQL), so the workers fetch as soon as it commits;
-// River's own insert notification is rate-limited and the dispatcher's
-// client is Silent.
+// queue (JobParams), with args EventArgs (kind "outbox_event") unless the
+// route shapes them, inserted as River's InsertManyTx would in the
+// statement that marks the event done (package claim). That statement also
+// announces the queues it inserted into in River's format, so the workers
+// fetch as soon as it commits; River's own insert notification is
+// rate-limited. NewInsertClient, AnnounceSQL and a Silent client do the
+// same for an application that inserts jobs with River's client.
 //
 // The receivers: a Worker for that kind hands each job's Event to the
 // handler registered (Handlers) for the longest prefix of its type; a job

@@ -41,11 +41,7 @@ func testRoutes(t *testing.T) *route.Table {
 // River jobs, exactly as outboxd does it.
 func handoff(t *testing.T, pool *pgxpool.Pool, routes *route.Table) claim.Result {
 	t.Helper()
-	ins, err := outboxriver.NewInsertClient(pool, outboxriver.InsertClientConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := &claim.Handoff{Pool: pool, River: ins, Routes: routes, MaxRetries: 6, Alerter: alert.Func(func(context.Context, alert.Alert) {})}
+	h := &claim.Handoff{Pool: pool, Routes: routes, MaxRetries: 6, Alerter: alert.Func(func(context.Context, alert.Alert) {})}
 	res, err := h.Batch(context.Background(), 1000)
 	if err != nil {
 		t.Fatal(err)

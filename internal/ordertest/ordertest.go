@@ -18,7 +18,6 @@ import (
 	"github.com/outboxhq/outbox/alert"
 	"github.com/outboxhq/outbox/claim"
 	"github.com/outboxhq/outbox/internal/pgtest"
-	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
 )
 
@@ -57,11 +56,7 @@ func HandOff(tb testing.TB, pool *pgxpool.Pool, routes *route.Table) claim.Resul
 	if routes == nil {
 		routes = Routes(tb)
 	}
-	rc, err := outboxriver.NewInsertClient(pool, outboxriver.InsertClientConfig{})
-	if err != nil {
-		tb.Fatal(err)
-	}
-	h := &claim.Handoff{Pool: pool, River: rc, Routes: routes, MaxRetries: 6, Alerter: alert.Func(func(context.Context, alert.Alert) {})}
+	h := &claim.Handoff{Pool: pool, Routes: routes, MaxRetries: 6, Alerter: alert.Func(func(context.Context, alert.Alert) {})}
 	res, err := h.Batch(pgtest.Context(tb, 60*time.Second), 100)
 	if err != nil {
 		tb.Fatal(err)

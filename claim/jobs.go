@@ -1,0 +1,143 @@
+package claim
+
+import (
+	"cmp"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/riverqueue/river"
+)
+
+// handoffSQL inserts a batch's River jobs and marks their events done, in
+// one statement: the handoff's second and last round trip before COMMIT.
+//
+// River's InsertManyTx returns the new jobs' ids to the client, which then
+// needed a round trip of its own to record them in the events
+// (river_job_ids), and a third for River's notification; on two shared
+// cores each round trip is a wait for a core on both sides (docs/benchmarks.md,
+// "The floor"). Here the insert's RETURNING feeds the update directly. The
+// rows are River's own: the columns River's JobInsertFastMany writes, with
+// the values River's insertParamsFromConfigArgsAndOptions computes for the
+// handoff's jobs (jobColumns; TestDirectInsertMatchesRiver compares every
+// column with InsertManyTx's), and River's insert notification in River's
+// channel and format for each queue that got a job a worker may fetch (an
+// ordered job queued behind its key's head, pending, is announced when the
+// ordering trigger releases it).
+//
+// $1..$9 are parallel arrays, one entry per job in insert order (see
+// insertOrder): event id, the job's place among its event's jobs (route
+// order: river_job_ids keeps it), then River's columns. A rule names each
+// queue once (route.Table), so (event, queue) finds a job's input row.
+// The statement returns the jobs inserted and the events marked done, which
+// the caller checks before it commits.
+const handoffSQL = `
+WITH job AS (
+    SELECT *
+    FROM unnest($1::bigint[], $2::int[], $3::jsonb[], $4::text[], $5::smallint[], $6::jsonb[], $7::smallint[], $8::text[], $9::text[])
+        WITH ORDINALITY AS j(event_id, route_pos, args, kind, max_attempts, metadata, priority, queue, tags, ord)
+),
+ins AS (
+    INSERT INTO river_job (args, created_at, kind, max_attempts, metadata, priority, queue, scheduled_at, state, tags)
+    SELECT args, now(), kind, max_attempts, metadata, priority, queue, now(), 'available', string_to_array(tags, ',')::varchar(255)[]
+    FROM job
+    ORDER BY ord
+    RETURNING id, (metadata->>'outbox_event_id')::bigint AS event_id, queue, state
+),
+done AS (
+    UPDATE outbox_event e
+    SET status = 'done', processed_at = clock_timestamp(), locked_until = NULL, river_job_ids = x.ids
+    FROM (
+        SELECT ins.event_id, array_agg(ins.id ORDER BY job.route_pos) AS ids
+        FROM ins JOIN job ON job.event_id = ins.event_id AND job.queue = ins.queue
+        GROUP BY ins.event_id
+    ) x
+    WHERE e.id = x.event_id
+    RETURNING e.id
+),
+announced AS (
+    SELECT pg_notify(current_schema() || '.river_insert', '{"queue": ' || to_json(q.queue)::text || '}')
+    FROM (SELECT DISTINCT queue FROM ins WHERE state <> 'pending') q
+)
+SELECT (SELECT count(*) FROM ins), (SELECT count(*) FROM done), (SELECT count(*) FROM announced)`
+
+// jobColumns holds a batch's jobs as the parallel arrays of handoffSQL.
+type jobColumns struct {
+	eventID     []int64
+	routePos    []int32
+	args        [][]byte
+	kind        []string
+	maxAttempts []int16
+	metadata    [][]byte
+	priority    []int16
+	queue       []string
+	tags        []string
+}
+
+// sqlArgs returns the arguments of handoffSQL.
+func (c *jobColumns) sqlArgs() []any {
+	return []any{c.eventID, c.routePos, c.args, c.kind, c.maxAttempts, c.metadata, c.priority, c.queue, c.tags}
+}
+
+// add appends one job of event eventID, the pos-th of its event in route
+// order, with the values River's InsertManyTx would give it: args encoded
+// with encoding/json, River's defaults for a priority, max attempts and
+// queue left at zero, no tags as an empty list, metadata {} when none. The
+// handoff's jobs (outboxriver.JobParams) set no unique options, schedule,
+// pending state or insert options of their args type; add refuses such a
+// job instead of inserting it differently from River, and checks what River
+// checks (priority, max attempts, tags) so that a bad value fails the
+// batch with a clear error instead of a constraint violation.
+func (c *jobColumns) add(eventID int64, pos int, p river.InsertManyParams) error {
+	if p.Args == nil {
+		return errors.New("job has no args")
+	}
+	if _, ok := p.Args.(river.JobArgsWithInsertOpts); ok {
+		return fmt.Errorf("job kind %s: args with their own insert options are not supported by the handoff", p.Args.Kind())
+	}
+	opts := p.InsertOpts
+	if opts == nil {
+		opts = &river.InsertOpts{}
+	}
+	if !opts.ScheduledAt.IsZero() || opts.Pending || !uniqueEmpty(opts.UniqueOpts) {
+		return fmt.Errorf("job kind %s: scheduled, pending or unique jobs are not supported by the handoff", p.Args.Kind())
+	}
+	encoded, err := json.Marshal(p.Args)
+	if err != nil {
+		return fmt.Errorf("job kind %s: encode args: %w", p.Args.Kind(), err)
+	}
+	priority := cmp.Or(opts.Priority, river.PriorityDefault)
+	if priority < 1 || priority > 4 {
+		return fmt.Errorf("job kind %s: priority %d is out of range: River allows 1 to 4", p.Args.Kind(), priority)
+	}
+	maxAttempts := cmp.Or(opts.MaxAttempts, river.MaxAttemptsDefault)
+	if maxAttempts < 1 || maxAttempts > 32767 {
+		return fmt.Errorf("job kind %s: max attempts %d is out of range: 1 to 32767", p.Args.Kind(), maxAttempts)
+	}
+	for _, t := range opts.Tags {
+		if len(t) < 3 || len(t) > 255 || strings.ContainsFunc(t, func(r rune) bool {
+			return r != '_' && r != '-' && (r < '0' || r > '9') && (r < 'a' || r > 'z') && (r < 'A' || r > 'Z')
+		}) || t[0] == '-' || t[len(t)-1] == '-' {
+			return fmt.Errorf("job kind %s: tag %q is not valid for River: 3 to 255 characters of letters, digits, '_' and inner '-'", p.Args.Kind(), t)
+		}
+	}
+	metadata := opts.Metadata
+	if len(metadata) == 0 {
+		metadata = []byte("{}")
+	}
+	c.eventID = append(c.eventID, eventID)
+	c.routePos = append(c.routePos, int32(pos))
+	c.args = append(c.args, encoded)
+	c.kind = append(c.kind, p.Args.Kind())
+	c.maxAttempts = append(c.maxAttempts, int16(maxAttempts))
+	c.metadata = append(c.metadata, metadata)
+	c.priority = append(c.priority, int16(priority))
+	c.queue = append(c.queue, cmp.Or(opts.Queue, river.QueueDefault))
+	c.tags = append(c.tags, strings.Join(opts.Tags, ","))
+	return nil
+}
+
+func uniqueEmpty(u river.UniqueOpts) bool {
+	return !u.ByArgs && u.ByPeriod == 0 && !u.ByQueue && len(u.ByState) == 0 && !u.ExcludeKind
+}
