@@ -805,7 +805,7 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 			}
 		}
 	}
-	var counts [3]int64 // jobs inserted, events marked done, queues announced
+	var counts [4]int64 // jobs inserted, events marked done, job ids recorded, queues announced
 	if len(params) > 0 {
 		order := make([]int, len(params))
 		for i := range order {
@@ -820,7 +820,7 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 				return res, nil, fmt.Errorf("event %d: %w", jobEvent[j], err)
 			}
 		}
-		final = append(final, queued{what: "insert River jobs and mark events done", sql: handoffSQL, args: cols.sqlArgs(), row: []any{&counts[0], &counts[1], &counts[2]}})
+		final = append(final, queued{what: "insert River jobs and mark events done", sql: handoffSQL, args: cols.sqlArgs(), row: []any{&counts[0], &counts[1], &counts[2], &counts[3]}})
 		res.Jobs = len(params)
 	}
 	if len(unroutable) > 0 {
@@ -841,8 +841,9 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		res.Broken = len(broken)
 	}
 	check := func() error {
-		if len(params) > 0 && (counts[0] != int64(len(params)) || counts[1] != int64(res.Done)) {
-			return fmt.Errorf("insert River jobs and mark events done: %d jobs inserted for %d, %d events marked done for %d", counts[0], len(params), counts[1], res.Done)
+		if len(params) > 0 && (counts[0] != int64(len(params)) || counts[1] != int64(res.Done) || counts[2] != int64(len(params))) {
+			return fmt.Errorf("insert River jobs and mark events done: %d jobs inserted for %d, %d events marked done for %d, %d job ids recorded for %d",
+				counts[0], len(params), counts[1], res.Done, counts[2], len(params))
 		}
 		return nil
 	}

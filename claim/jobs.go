@@ -8,6 +8,8 @@ import (
 	"strings"
 
 	"github.com/riverqueue/river"
+
+	"github.com/outboxhq/outbox/route"
 )
 
 // handoffSQL inserts a batch's River jobs and marks their events done, in
@@ -30,8 +32,9 @@ import (
 // insertOrder): event id, the job's place among its event's jobs (route
 // order: river_job_ids keeps it), then River's columns. A rule names each
 // queue once (route.Table), so (event, queue) finds a job's input row.
-// The statement returns the jobs inserted and the events marked done, which
-// the caller checks before it commits.
+// The statement returns the jobs inserted, the events marked done, the job
+// ids recorded in them and the queues announced; the caller checks the
+// first three before it commits.
 const handoffSQL = `
 WITH job AS (
     SELECT *
@@ -54,13 +57,14 @@ done AS (
         GROUP BY ins.event_id
     ) x
     WHERE e.id = x.event_id
-    RETURNING e.id
+    RETURNING cardinality(e.river_job_ids) AS jobs
 ),
 announced AS (
     SELECT pg_notify(current_schema() || '.river_insert', '{"queue": ' || to_json(q.queue)::text || '}')
     FROM (SELECT DISTINCT queue FROM ins WHERE state <> 'pending') q
 )
-SELECT (SELECT count(*) FROM ins), (SELECT count(*) FROM done), (SELECT count(*) FROM announced)`
+SELECT (SELECT count(*) FROM ins), (SELECT count(*) FROM done), (SELECT coalesce(sum(jobs), 0) FROM done),
+       (SELECT count(*) FROM announced)`
 
 // jobColumns holds a batch's jobs as the parallel arrays of handoffSQL.
 type jobColumns struct {
@@ -87,8 +91,8 @@ func (c *jobColumns) sqlArgs() []any {
 // handoff's jobs (outboxriver.JobParams) set no unique options, schedule,
 // pending state or insert options of their args type; add refuses such a
 // job instead of inserting it differently from River, and checks what River
-// checks (priority, max attempts, tags) so that a bad value fails the
-// batch with a clear error instead of a constraint violation.
+// checks (priority, max attempts, tags, queue name) so that a bad value
+// fails the batch with a clear error instead of a constraint violation.
 func (c *jobColumns) add(eventID int64, pos int, p river.InsertManyParams) error {
 	if p.Args == nil {
 		return errors.New("job has no args")
@@ -122,6 +126,10 @@ func (c *jobColumns) add(eventID int64, pos int, p river.InsertManyParams) error
 			return fmt.Errorf("job kind %s: tag %q is not valid for River: 3 to 255 characters of letters, digits, '_' and inner '-'", p.Args.Kind(), t)
 		}
 	}
+	queue := cmp.Or(opts.Queue, river.QueueDefault)
+	if err := route.ValidateQueueName(queue); err != nil {
+		return fmt.Errorf("job kind %s: %w", p.Args.Kind(), err)
+	}
 	metadata := opts.Metadata
 	if len(metadata) == 0 {
 		metadata = []byte("{}")
@@ -133,11 +141,13 @@ func (c *jobColumns) add(eventID int64, pos int, p river.InsertManyParams) error
 	c.maxAttempts = append(c.maxAttempts, int16(maxAttempts))
 	c.metadata = append(c.metadata, metadata)
 	c.priority = append(c.priority, int16(priority))
-	c.queue = append(c.queue, cmp.Or(opts.Queue, river.QueueDefault))
+	c.queue = append(c.queue, queue)
 	c.tags = append(c.tags, strings.Join(opts.Tags, ","))
 	return nil
 }
 
 func uniqueEmpty(u river.UniqueOpts) bool {
-	return !u.ByArgs && u.ByPeriod == 0 && !u.ByQueue && len(u.ByState) == 0 && !u.ExcludeKind
+	// River's own test (UniqueOpts.isEmpty): a non-nil ByState, even an
+	// empty one, makes a job unique.
+	return !u.ByArgs && u.ByPeriod == 0 && !u.ByQueue && u.ByState == nil && !u.ExcludeKind
 }

@@ -48,7 +48,7 @@ type EventArgs struct {
 // Kind implements river.JobArgs.
 func (EventArgs) Kind() string { return Kind }
 
-// Latency settings shared by the dispatcher's insert-only client and by the
+// Latency settings shared by insert clients (NewInsertClient) and by the
 // workers. River debounces its insert NOTIFY per client by FetchCooldown
 // (default 100 ms) and sends no trailing notify, so a second insert inside
 // the window waits for the worker's poll: with River's defaults an event that

@@ -70,7 +70,7 @@ func claimedEvent(t *testing.T, pool *pgxpool.Pool, id int64) outboxriver.EventA
 	return a
 }
 
-// insertJobs inserts params with the dispatcher's insert-only client in
+// insertJobs inserts params with an insert-only client (NewInsertClient) in
 // one transaction and returns the job ids.
 func insertJobs(t *testing.T, pool *pgxpool.Pool, params []river.InsertManyParams) []int64 {
 	t.Helper()
