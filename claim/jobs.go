@@ -91,8 +91,9 @@ func (c *jobColumns) sqlArgs() []any {
 // handoff's jobs (outboxriver.JobParams) set no unique options, schedule,
 // pending state or insert options of their args type; add refuses such a
 // job instead of inserting it differently from River, and checks what River
-// checks (priority, max attempts, tags, queue name) so that a bad value
-// fails the batch with a clear error instead of a constraint violation.
+// checks (route.ValidateInsert: queue name, priority, max attempts, tags)
+// so that a bad value fails the batch with a clear error instead of a
+// constraint violation or a row River would have refused.
 func (c *jobColumns) add(eventID int64, pos int, p river.InsertManyParams) error {
 	if p.Args == nil {
 		return errors.New("job has no args")
@@ -112,22 +113,9 @@ func (c *jobColumns) add(eventID int64, pos int, p river.InsertManyParams) error
 		return fmt.Errorf("job kind %s: encode args: %w", p.Args.Kind(), err)
 	}
 	priority := cmp.Or(opts.Priority, river.PriorityDefault)
-	if priority < 1 || priority > 4 {
-		return fmt.Errorf("job kind %s: priority %d is out of range: River allows 1 to 4", p.Args.Kind(), priority)
-	}
 	maxAttempts := cmp.Or(opts.MaxAttempts, river.MaxAttemptsDefault)
-	if maxAttempts < 1 || maxAttempts > 32767 {
-		return fmt.Errorf("job kind %s: max attempts %d is out of range: 1 to 32767", p.Args.Kind(), maxAttempts)
-	}
-	for _, t := range opts.Tags {
-		if len(t) < 3 || len(t) > 255 || strings.ContainsFunc(t, func(r rune) bool {
-			return r != '_' && r != '-' && (r < '0' || r > '9') && (r < 'a' || r > 'z') && (r < 'A' || r > 'Z')
-		}) || t[0] == '-' || t[len(t)-1] == '-' {
-			return fmt.Errorf("job kind %s: tag %q is not valid for River: 3 to 255 characters of letters, digits, '_' and inner '-'", p.Args.Kind(), t)
-		}
-	}
 	queue := cmp.Or(opts.Queue, river.QueueDefault)
-	if err := route.ValidateQueueName(queue); err != nil {
+	if err := route.ValidateInsert(queue, priority, maxAttempts, opts.Tags); err != nil {
 		return fmt.Errorf("job kind %s: %w", p.Args.Kind(), err)
 	}
 	metadata := opts.Metadata

@@ -165,7 +165,7 @@ func TestJobColumnsRefuseWhatRiverWouldDoDifferently(t *testing.T) {
 		{"priority", river.InsertOpts{Priority: 5}, "priority 5 is out of range"},
 		{"tag", river.InsertOpts{Tags: []string{"no,comma"}}, `tag "no,comma" is not valid`},
 		{"short tag", river.InsertOpts{Tags: []string{"ab"}}, `tag "ab" is not valid`},
-		{"max attempts", river.InsertOpts{MaxAttempts: 40000}, "max attempts 40000 is out of range"},
+		{"max attempts", river.InsertOpts{MaxAttempts: 40000}, "max_attempts 40000 is out of range"},
 		{"queue", river.InsertOpts{Queue: "no.dots"}, `queue name "no.dots" is not valid`},
 		{"unique by no state", river.InsertOpts{UniqueOpts: river.UniqueOpts{ByState: []rivertype.JobState{}}}, "unique jobs are not supported"},
 	} {

@@ -138,6 +138,29 @@ func validateMaxAttempts(n int) error {
 	return nil
 }
 
+// ValidateInsert returns an error, naming the field and the rule, when
+// River would refuse to insert a job with this queue, priority, max
+// attempts and tags. The values are those the insert writes: 0 is not a
+// default here. The handoff checks every job it writes with it (package
+// claim), by the same rules as the routes file.
+func ValidateInsert(queue string, priority, maxAttempts int, tags []string) error {
+	if err := ValidateQueueName(queue); err != nil {
+		return err
+	}
+	if err := validatePriority(priority); err != nil {
+		return err
+	}
+	if err := validateMaxAttempts(maxAttempts); err != nil {
+		return err
+	}
+	for _, t := range tags {
+		if err := validateTag(t); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // normalize fills the defaults of j and checks every field but Queue (New
 // checks queues). The errors name the field and the fix.
 func (j *Job) normalize() []error {

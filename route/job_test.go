@@ -206,3 +206,29 @@ func TestValidKindsAndTags(t *testing.T) {
 		}
 	}
 }
+
+func TestValidateInsertChecksWhatRiverRefuses(t *testing.T) {
+	t.Parallel()
+	if err := route.ValidateInsert("outbox_mail", 1, 25, []string{"a_b", "x-y-z"}); err != nil {
+		t.Fatalf("valid job refused: %v", err)
+	}
+	for _, tc := range []struct {
+		queue       string
+		priority    int
+		maxAttempts int
+		tags        []string
+		want        string
+	}{
+		{"no.dots", 1, 25, nil, `queue name "no.dots"`},
+		{"q", 0, 25, nil, "priority 0 is out of range"},
+		{"q", 5, 25, nil, "priority 5 is out of range"},
+		{"q", 1, 0, nil, "max_attempts 0 is out of range"},
+		{"q", 1, 32768, nil, "max_attempts 32768 is out of range"},
+		{"q", 1, 25, []string{"ok_tag", "ab"}, `tag "ab" is not valid`},
+	} {
+		err := route.ValidateInsert(tc.queue, tc.priority, tc.maxAttempts, tc.tags)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("ValidateInsert(%q, %d, %d, %v) = %v, want an error containing %q", tc.queue, tc.priority, tc.maxAttempts, tc.tags, err, tc.want)
+		}
+	}
+}
