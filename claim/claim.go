@@ -68,6 +68,9 @@ type Event struct {
 	// ordered); soon: one of those is pending and due, so it is in another
 	// batch's hands (or cut from this one) and will be handed off shortly.
 	blocked, soon bool
+	// fastRule is the 1-based rule (fastRoutes) by which the
+	// one-statement claim handed this event off, 0 when it did not.
+	fastRule int
 }
 
 // Position is a place in claim order, (scheduled_at, id).
@@ -312,6 +315,13 @@ type Handoff struct {
 
 	mu       sync.Mutex
 	timeouts map[int64]int // lone timeouts in a row, by event id
+
+	// fast is the routing table as the one-statement claim's arrays
+	// (fastRoutesOf); goOnly turns that claim off (tests compare the two
+	// handoffs).
+	fastOnce sync.Once
+	fast     *fastRoutes
+	goOnly   bool
 }
 
 // Result summarises one batch.
@@ -322,6 +332,9 @@ type Result struct {
 	Done int
 	// Jobs inserted into River.
 	Jobs int
+	// OneStatement of the Done events were handed off by the claim's own
+	// statement (fastSQL), the rest by the Go handoff.
+	OneStatement int
 	// Unroutable events were failed at once.
 	Unroutable int
 	// Broken events broke the payload rule (or held a value that cannot be
@@ -383,6 +396,7 @@ type Handed struct {
 func (r *Result) add(o Result) {
 	r.Done += o.Done
 	r.Jobs += o.Jobs
+	r.OneStatement += o.OneStatement
 	r.Unroutable += o.Unroutable
 	r.Broken += o.Broken
 	r.Retried += o.Retried
@@ -412,7 +426,7 @@ func (h *Handoff) Rescue(ctx context.Context) (int64, error) {
 // rolled back and every claimed event is retried in its own transaction.
 // An error means the batch could not run at all (nothing changed).
 func (h *Handoff) Batch(ctx context.Context, limit int) (Result, error) {
-	return h.batch(ctx, budgetedClaimSQL, limit, h.batchBytes(), outbox.MaxPayloadBytes)
+	return h.batch(ctx, budgetedClaimSQL, fastClaimSQL, limit, h.batchBytes(), outbox.MaxPayloadBytes)
 }
 
 func (h *Handoff) batchBytes() int {
@@ -426,7 +440,7 @@ func (h *Handoff) batchBytes() int {
 // the continuation of a drain (see claimAfterSQL). It may miss events
 // behind the position; a later Batch finds them.
 func (h *Handoff) BatchAfter(ctx context.Context, limit int, after Position) (Result, error) {
-	return h.batch(ctx, budgetedClaimAfterSQL, limit, h.batchBytes(), outbox.MaxPayloadBytes, after.ScheduledAt, after.ID)
+	return h.batch(ctx, budgetedClaimAfterSQL, fastClaimAfterSQL, limit, h.batchBytes(), outbox.MaxPayloadBytes, after.ScheduledAt, after.ID)
 }
 
 // BatchOfKey is Batch for the due events of one ordering key, in the
@@ -436,10 +450,13 @@ func (h *Handoff) BatchAfter(ctx context.Context, limit int, after Position) (Re
 // with the key's next events, wherever they are in claim order, while
 // other batches go on past them.
 func (h *Handoff) BatchOfKey(ctx context.Context, limit int, key Key) (Result, error) {
-	return h.batch(ctx, budgetedClaimKeySQL, limit, h.batchBytes(), outbox.MaxPayloadBytes, key.TenantID, key.OrderingKey)
+	return h.batch(ctx, budgetedClaimKeySQL, "", limit, h.batchBytes(), outbox.MaxPayloadBytes, key.TenantID, key.OrderingKey)
 }
 
-func (h *Handoff) batch(ctx context.Context, sql string, args ...any) (Result, error) {
+// batch claims with sql and hands the claimed events off. fastSQL, when
+// not "", is sql's one-statement form (fastSQL), used unless the handoff's
+// routes have none (fastRoutesOf).
+func (h *Handoff) batch(ctx context.Context, sql, fastSQL string, args ...any) (Result, error) {
 	var res Result
 	conn, err := h.Pool.Acquire(ctx)
 	if err != nil {
@@ -449,7 +466,28 @@ func (h *Handoff) batch(ctx context.Context, sql string, args ...any) (Result, e
 
 	tctx, cancel := h.txContext(ctx)
 	defer cancel()
-	tx, events, err := h.begin(tctx, conn.Conn(), sql, args...)
+	var (
+		tx     pgx.Tx
+		events []Event
+		fast   *fastRoutes
+		counts fastCounts
+	)
+	if fastSQL != "" {
+		fast = h.fastRoutesOf()
+	}
+	if fast != nil {
+		tx, events, err = h.beginWith(tctx, conn.Conn(), scanFast(&counts), fastSQL, append(args, fast.args()...)...)
+		if err != nil && ctx.Err() == nil && tctx.Err() == nil && !IsTransient(err) && !conn.Conn().IsClosed() {
+			// The statement failed as a whole, not the database (a
+			// trigger on River's table refused a job, say): nothing of it
+			// remains. Claim again without it; the Go handoff finds the
+			// event at fault and fails it alone.
+			fast = nil
+			tx, events, err = h.begin(tctx, conn.Conn(), sql, args...)
+		}
+	} else {
+		tx, events, err = h.begin(tctx, conn.Conn(), sql, args...)
+	}
 	if err != nil {
 		return res, err
 	}
@@ -464,7 +502,21 @@ func (h *Handoff) batch(ctx context.Context, sql string, args ...any) (Result, e
 		return res, finish(tctx, tx, nil, nil)
 	}
 
-	batchRes, unroutable, err := h.handoff(tctx, tx, events)
+	// The one-statement claim handed some events off already (in this
+	// transaction, not committed); the Go handoff takes the rest and
+	// commits.
+	var (
+		fastRes    Result
+		rest       = events
+		batchRes   Result
+		unroutable []Event
+	)
+	if fast != nil {
+		fastRes, rest, err = fast.takeFast(events, counts)
+	}
+	if err == nil {
+		batchRes, unroutable, err = h.handoff(tctx, tx, rest)
+	}
 	if err != nil {
 		if ctx.Err() != nil {
 			return res, err
@@ -505,6 +557,7 @@ func (h *Handoff) batch(ctx context.Context, sql string, args ...any) (Result, e
 		}
 		return res, nil
 	}
+	res.add(fastRes)
 	res.add(batchRes)
 	h.alertUnroutable(ctx, unroutable)
 	return res, nil
@@ -656,11 +709,16 @@ func timedOut(ctx, tctx context.Context, err error) bool {
 
 // begin opens the batch transaction and claims, in one round trip.
 func (h *Handoff) begin(ctx context.Context, conn *pgx.Conn, sql string, args ...any) (pgx.Tx, []Event, error) {
+	return h.beginWith(ctx, conn, scanEvent, sql, args...)
+}
+
+// beginWith is begin for a claim whose rows scan reads.
+func (h *Handoff) beginWith(ctx context.Context, conn *pgx.Conn, scan pgx.RowToFunc[Event], sql string, args ...any) (pgx.Tx, []Event, error) {
 	setup := planSettingsSQL
 	if !h.SynchronousCommit {
 		setup = asyncPlanSettingsSQL
 	}
-	tx, events, err := beginAndClaim(ctx, conn, setup, sql, args...)
+	tx, events, err := beginAndClaim(ctx, conn, setup, scan, sql, args...)
 	if err != nil {
 		return nil, nil, fmt.Errorf("claim: %w", err)
 	}
@@ -673,6 +731,12 @@ func (h *Handoff) begin(ctx context.Context, conn *pgx.Conn, sql string, args ..
 // (a stored ±infinity cannot be scanned into a time.Time). Whatever makes
 // the row impossible to hand off is recorded in fault, for that row alone.
 func scanEvent(row pgx.CollectableRow) (Event, error) {
+	return scanEventWith(row)
+}
+
+// scanEventWith is scanEvent for a row with more columns after the claim's,
+// scanned into extra.
+func scanEventWith(row pgx.CollectableRow, extra ...any) (Event, error) {
 	var (
 		e                  Event
 		created, scheduled pgtype.Timestamptz
@@ -681,7 +745,8 @@ func scanEvent(row pgx.CollectableRow) (Event, error) {
 		isBlocked, soon    *bool
 		size               int
 	)
-	if err := row.Scan(&e.ID, &e.Type, &e.TenantID, (*[]byte)(&e.Payload), &size, &e.DispatchKey, &e.Retries, &created, &scheduled, &traceContext, &e.OrderingKey, &position, &e.more, &isBlocked, &soon); err != nil {
+	dest := append([]any{&e.ID, &e.Type, &e.TenantID, (*[]byte)(&e.Payload), &size, &e.DispatchKey, &e.Retries, &created, &scheduled, &traceContext, &e.OrderingKey, &position, &e.more, &isBlocked, &soon}, extra...)
+	if err := row.Scan(dest...); err != nil {
 		return e, err
 	}
 	if position != nil {
@@ -692,7 +757,10 @@ func scanEvent(row pgx.CollectableRow) (Event, error) {
 	if traceContext != nil {
 		e.TraceContext = *traceContext
 	}
-	e.CreatedAt, e.ScheduledAt = created.Time, scheduled.Time
+	// In UTC, whatever the process's time zone: the job args carry
+	// created_at as encoding/json writes it, and the one-statement claim
+	// (fastSQL) writes it in UTC too.
+	e.CreatedAt, e.ScheduledAt = created.Time.UTC(), scheduled.Time
 	switch {
 	case created.InfinityModifier != pgtype.Finite:
 		e.fault = "created_at is infinite: the job args cannot carry it"

@@ -35,12 +35,30 @@ import (
 // The statement returns the jobs inserted, the events marked done, the job
 // ids recorded in them and the queues announced; the caller checks the
 // first three before it commits.
-const handoffSQL = `
+var handoffSQL = `
 WITH job AS (
     SELECT *
     FROM unnest($1::bigint[], $2::int[], $3::jsonb[], $4::text[], $5::smallint[], $6::jsonb[], $7::smallint[], $8::text[], $9::text[])
         WITH ORDINALITY AS j(event_id, route_pos, args, kind, max_attempts, metadata, priority, queue, tags, ord)
-),
+),` + handoffWrites + `
+SELECT ` + handoffCounts
+
+// handoffWrites are the common-table expressions that write a handoff: given
+// a CTE job with one row per job (event_id, route_pos, args, kind,
+// max_attempts, metadata, priority, queue, tags, and ord, the insert order),
+// ins inserts River's rows, done marks the events done with their jobs' ids
+// in route order, and announced sends River's insert notification once per
+// queue that got a job a worker may fetch. handoffSQL takes the jobs from
+// the client; the one-statement claim (fastSQL) builds them in SQL.
+var handoffWrites = handoffWritesSQL(`
+        SELECT ins.event_id, array_agg(ins.id ORDER BY job.route_pos) AS ids
+        FROM ins JOIN job ON job.event_id = ins.event_id AND job.queue = ins.queue
+        GROUP BY ins.event_id`)
+
+// handoffWritesSQL is handoffWrites with ids, the query that gives each
+// event's job ids in route order (event_id, ids).
+func handoffWritesSQL(ids string) string {
+	return `
 ins AS (
     INSERT INTO river_job (args, created_at, kind, max_attempts, metadata, priority, queue, scheduled_at, state, tags)
     SELECT args, now(), kind, max_attempts, metadata, priority, queue, now(), 'available', string_to_array(tags, ',')::varchar(255)[]
@@ -51,10 +69,7 @@ ins AS (
 done AS (
     UPDATE outbox_event e
     SET status = 'done', processed_at = clock_timestamp(), locked_until = NULL, river_job_ids = x.ids
-    FROM (
-        SELECT ins.event_id, array_agg(ins.id ORDER BY job.route_pos) AS ids
-        FROM ins JOIN job ON job.event_id = ins.event_id AND job.queue = ins.queue
-        GROUP BY ins.event_id
+    FROM (` + ids + `
     ) x
     WHERE e.id = x.event_id
     RETURNING cardinality(e.river_job_ids) AS jobs
@@ -62,8 +77,14 @@ done AS (
 announced AS (
     SELECT pg_notify(current_schema() || '.river_insert', '{"queue": ' || to_json(q.queue)::text || '}')
     FROM (SELECT DISTINCT queue FROM ins WHERE state <> 'pending') q
-)
-SELECT (SELECT count(*) FROM ins), (SELECT count(*) FROM done), (SELECT coalesce(sum(jobs), 0) FROM done),
+)`
+}
+
+// handoffCounts are the four counts a handoff statement returns: jobs
+// inserted, events marked done, job ids recorded in them, queues announced.
+// Reading announced is also what makes its notifications run: Postgres
+// evaluates a SELECT in WITH only when the query reads it.
+const handoffCounts = `(SELECT count(*) FROM ins), (SELECT count(*) FROM done), (SELECT coalesce(sum(jobs), 0) FROM done),
        (SELECT count(*) FROM announced)`
 
 // jobColumns holds a batch's jobs as the parallel arrays of handoffSQL.

@@ -27,14 +27,14 @@ func rollback(ctx context.Context, tx pgx.Tx) {
 // query in it, all in one round trip (pgx's Batch.BeginTx), and returns the
 // open transaction and the claimed events. On error the transaction is
 // rolled back.
-func beginAndClaim(ctx context.Context, conn *pgx.Conn, setup, sql string, args ...any) (pgx.Tx, []Event, error) {
+func beginAndClaim(ctx context.Context, conn *pgx.Conn, setup string, scan pgx.RowToFunc[Event], sql string, args ...any) (pgx.Tx, []Event, error) {
 	b := &pgx.Batch{}
 	b.BeginTx(pgx.TxOptions{})
 	b.Queue(setup)
 	b.Queue(sql, args...)
 	br := conn.SendBatch(ctx, b)
 	tx := br.Tx()
-	events, err := readClaim(br)
+	events, err := readClaim(br, scan)
 	if closeErr := br.Close(); err == nil {
 		err = closeErr
 	}
@@ -47,8 +47,9 @@ func beginAndClaim(ctx context.Context, conn *pgx.Conn, setup, sql string, args 
 	return tx, events, nil
 }
 
-// readClaim reads the results of BEGIN, the setup statement and the claim.
-func readClaim(br pgx.BatchResults) ([]Event, error) {
+// readClaim reads the results of BEGIN, the setup statement and the claim,
+// whose rows scan reads.
+func readClaim(br pgx.BatchResults, scan pgx.RowToFunc[Event]) ([]Event, error) {
 	for range 2 {
 		if _, err := br.Exec(); err != nil {
 			return nil, err
@@ -58,7 +59,7 @@ func readClaim(br pgx.BatchResults) ([]Event, error) {
 	if err != nil {
 		return nil, err
 	}
-	return pgx.CollectRows(rows, scanEvent)
+	return pgx.CollectRows(rows, scan)
 }
 
 // queued is one statement of the final step of a batch. A statement with

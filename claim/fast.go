@@ -1,0 +1,276 @@
+package claim
+
+import (
+	"encoding/json"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/outboxhq/outbox/internal/jsonlimit"
+	outboxriver "github.com/outboxhq/outbox/river"
+	"github.com/outboxhq/outbox/route"
+)
+
+// The one-statement handoff. A batch used to take three round trips: the
+// claim, the handoff statement (handoffSQL) and the COMMIT. The claim's
+// round trip came back to the dispatcher only so that Go could route the
+// events and encode their jobs' args and metadata; for the common event
+// (no ordering key, a payload well within the payload rule, a rule whose
+// jobs the handoff can write) that work is plain data, which fastSQL does
+// in the claim's own statement: it claims, routes by the longest matching
+// prefix, builds each job's args and metadata as outboxriver.JobParams
+// does, inserts River's rows, marks the events done and announces the
+// queues. A batch of such events takes two round trips (claim statement,
+// COMMIT), the shape of the relay floor (docs/benchmarks.md, "The floor").
+//
+// Every other event of the batch (an ordering key, a fault, a large
+// payload, no rule, a rule the statement cannot write) comes back locked
+// and untouched, and the Go handoff (Handoff.handoff) hands it off in the
+// same transaction as before. The statement's rows are the Go handoff's
+// rows: TestFastHandoffMatchesGoHandoff hands the same events off both
+// ways and compares every column of River's rows and of the events.
+
+// fastRoutes is a routing table as the parallel arrays of fastSQL, built
+// once per Handoff from its route.Table: the rules (longest prefix first,
+// Table.Rules' order, which is Match's), and one entry per job of each rule
+// that the statement can write, with what does not depend on the event.
+type fastRoutes struct {
+	rules  []route.Rule
+	prefix []string
+	// fast says the statement writes the rule's jobs; an event of any
+	// other rule is left to the Go handoff (still routed by the
+	// statement, so that a longer prefix is never skipped for a shorter).
+	fast []bool
+	// jobs is the number of jobs of each rule.
+	jobs []int
+
+	// One entry per job of the fast rules, in each rule's order.
+	rule        []int32 // 1-based index of the rule
+	pos         []int32 // the job's place among its rule's jobs
+	queue       []string
+	kind        []string
+	payloadArgs []bool // args: payload (outboxriver.PayloadArgs)
+	priority    []int16
+	maxAttempts []int16
+	tags        []string // comma-joined, as jobColumns
+}
+
+// newFastRoutes builds the arrays of t. A rule's jobs are made with
+// outboxriver.JobParams for a sample event and turned into River's columns
+// by jobColumns.add, exactly as the Go handoff makes them; the columns that
+// do not depend on the event are kept. A rule whose jobs jobColumns refuses,
+// or whose args are of a type the statement does not build, is not fast:
+// the Go handoff then fails its events with the reason, as before.
+func newFastRoutes(t *route.Table) *fastRoutes {
+	f := &fastRoutes{rules: t.Rules()}
+	sample := outboxriver.EventArgs{EventID: 1, EventType: "sample", Payload: json.RawMessage(`{}`)}
+	for i, r := range f.rules {
+		f.prefix = append(f.prefix, r.Prefix)
+		params := outboxriver.JobParams(r, sample)
+		f.jobs = append(f.jobs, len(params))
+		var cols jobColumns
+		fast := len(params) > 0
+		payload := make([]bool, len(params))
+		for k, p := range params {
+			switch p.Args.(type) {
+			case outboxriver.EventArgs, outboxriver.KindedEventArgs:
+			case outboxriver.PayloadArgs:
+				payload[k] = true
+			default:
+				fast = false
+			}
+			if err := cols.add(sample.EventID, k, p); err != nil {
+				fast = false
+			}
+		}
+		f.fast = append(f.fast, fast)
+		if !fast {
+			continue
+		}
+		for k := range params {
+			f.rule = append(f.rule, int32(i+1))
+			f.pos = append(f.pos, int32(k))
+			f.queue = append(f.queue, cols.queue[k])
+			f.kind = append(f.kind, cols.kind[k])
+			f.payloadArgs = append(f.payloadArgs, payload[k])
+			f.priority = append(f.priority, cols.priority[k])
+			f.maxAttempts = append(f.maxAttempts, cols.maxAttempts[k])
+			f.tags = append(f.tags, cols.tags[k])
+		}
+	}
+	return f
+}
+
+// args returns fastSQL's arguments after the claim's own.
+func (f *fastRoutes) args() []any {
+	return []any{f.prefix, f.fast, f.rule, f.pos, f.queue, f.kind, f.payloadArgs, f.priority, f.maxAttempts, f.tags}
+}
+
+// fastSQL is the one-statement handoff around claim, a budgeted claim
+// (budgeted, ordered) whose own parameters are $1..$(base-1); the routes
+// are $base..$(base+9) (fastRoutes.args).
+//
+// The CTE fast picks the claimed events the statement hands off: the rule
+// of the longest matching prefix (route.PrefixMatches in SQL: the empty
+// prefix matches every type, a prefix ending in a dot the types that start
+// with it, any other prefix its own type) is fast; the event has no
+// ordering key (the ordering locks and triggers stay with the Go handoff);
+// the payload passes rowFault (sent, so within the byte limit, and nested
+// at most jsonlimit.MaxDepth levels: the payload rule's own test of
+// migration 005); created_at is within years 1000-9998 and scheduled_at is
+// finite (so the time formats below and the Go handoff's checks agree); the
+// database is UTF-8 (so that strings need no repair that encoding/json
+// would make).
+//
+// The CTE job builds each job's args and metadata as JobParams and
+// encoding/json do. River stores both as jsonb, so what must agree is the
+// JSON value, not its text: the envelope's fields (EventArgs: event_id,
+// event_type, tenant_id and dispatch_key null when none, payload,
+// created_at in RFC 3339 with the fraction's trailing zeros trimmed, in
+// UTC, as time.Time's MarshalJSON writes the UTC time scanEvent makes), or
+// the payload itself; and the metadata keys of jobMetadata, each absent
+// when empty as its omitempty says, the trace context split at its first
+// space as splitTraceContext does.
+//
+// The job ids are recorded in route order by sorting them: the jobs are
+// inserted in ord order, i.e. each event's jobs one after the other in route
+// order, and River's ids come from a sequence drawn as each row is inserted.
+// (handoffSQL joins the jobs back instead, because the ordering locks can
+// change an event's insert order; this statement has no ordered jobs.) Every
+// join here is a lookup per claimed row, never a join of two CTEs, whose
+// sizes the planner cannot know: it planned those as nested loops, and a
+// batch of 1,000 events took 0.4 s.
+//
+// The statement returns the claim's rows in claim order, each with the
+// rule the statement handed it off by (NULL when it did not; its payload
+// is then not sent back) and the handoff's four counts (handoffCounts).
+func fastSQL(claim string, base int) string {
+	p := func(i int) string { return fmt.Sprintf("$%d", base+i) }
+	return `
+WITH c AS MATERIALIZED (` + claim + `),
+rule AS (
+    SELECT * FROM unnest(` + p(0) + `::text[], ` + p(1) + `::bool[]) WITH ORDINALITY AS r(prefix, fast, idx)
+),
+tmpl AS (
+    SELECT * FROM unnest(` + p(2) + `::int[], ` + p(3) + `::int[], ` + p(4) + `::text[], ` + p(5) + `::text[], ` + p(6) + `::bool[], ` + p(7) + `::smallint[], ` + p(8) + `::smallint[], ` + p(9) + `::text[])
+        AS t(rule_idx, route_pos, queue, kind, payload_args, priority, max_attempts, tags)
+),
+routed AS MATERIALIZED (
+    SELECT c.*,
+           CASE WHEN m.fast AND c.ordering_key IS NULL AND c.payload IS NOT NULL
+                 AND NOT jsonb_path_exists(c.payload, 'strict $.**{` + fmt.Sprint(jsonlimit.MaxDepth) + `} ? (@.type() == "object" || @.type() == "array")')
+                 AND c.created_at >= '1000-01-01 00:00:00+00' AND c.created_at < '9999-01-01 00:00:00+00'
+                 AND isfinite(c.scheduled_at)
+                 AND current_setting('server_encoding') = 'UTF8'
+                THEN m.idx END AS rule_idx
+    FROM c LEFT JOIN LATERAL (
+        SELECT r.idx, r.fast FROM rule r
+        WHERE r.prefix = '' OR r.prefix = c.event_type OR (right(r.prefix, 1) = '.' AND starts_with(c.event_type, r.prefix))
+        ORDER BY r.idx
+        LIMIT 1
+    ) m ON true
+),
+ev AS (
+    SELECT f.*,
+           regexp_replace(to_char(f.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US'), '\.?0+$', '') || 'Z' AS created,
+           split_part(coalesce(f.trace_context, ''), ' ', 1) AS traceparent,
+           CASE WHEN strpos(f.trace_context, ' ') > 0 THEN substr(f.trace_context, strpos(f.trace_context, ' ') + 1) ELSE '' END AS tracestate
+    FROM routed f
+    WHERE f.rule_idx IS NOT NULL
+),
+job AS (
+    SELECT f.id AS event_id, t.route_pos,
+           CASE WHEN t.payload_args THEN f.payload
+                ELSE jsonb_build_object('event_id', f.id, 'event_type', f.event_type, 'tenant_id', f.tenant_id,
+                                        'payload', f.payload, 'dispatch_key', f.dispatch_key, 'created_at', f.created)
+           END AS args,
+           t.kind, t.max_attempts,
+           jsonb_strip_nulls(jsonb_build_object(
+               'outbox_event_id', f.id, 'outbox_event_type', f.event_type,
+               'outbox_tenant_id', f.tenant_id, 'outbox_dispatch_key', f.dispatch_key,
+               'outbox_created_at', CASE WHEN t.payload_args THEN f.created END,
+               'outbox_args', CASE WHEN t.payload_args THEN '` + string(route.ArgsPayload) + `' END,
+               'traceparent', NULLIF(f.traceparent, ''), 'tracestate', NULLIF(f.tracestate, ''))) AS metadata,
+           t.priority, t.queue, t.tags,
+           row_number() OVER (ORDER BY f.scheduled_at, f.id, t.route_pos) AS ord
+    FROM ev f JOIN tmpl t ON t.rule_idx = f.rule_idx
+),` + handoffWritesSQL(`
+        SELECT event_id, array_agg(id ORDER BY id) AS ids
+        FROM ins
+        GROUP BY event_id`) + `,
+counts AS (
+    SELECT ` + handoffCounts + `
+)
+SELECT f.id, f.event_type, f.tenant_id, CASE WHEN f.rule_idx IS NULL THEN f.payload END, f.size, f.dispatch_key, f.retries,
+       f.created_at, f.scheduled_at, f.trace_context, f.ordering_key, f.ordering_position, f.has_next, f.blocked, f.soon,
+       f.rule_idx, n.*
+FROM routed f
+CROSS JOIN counts n
+ORDER BY f.scheduled_at, f.id`
+}
+
+// The claims with a one-statement form. A key's walk (claimKeySQL) claims
+// only keyed events, which the statement never hands off.
+var (
+	fastClaimSQL      = fastSQL(budgetedClaimSQL, 4)
+	fastClaimAfterSQL = fastSQL(budgetedClaimAfterSQL, 6)
+)
+
+// fastCounts are what the one-statement claim reports of its handoff
+// (handoffCounts).
+type fastCounts [4]int64
+
+// scanFast reads a row of fastSQL: a claimed row (scanEvent), the rule it
+// was handed off by and the statement's counts, the same on every row.
+func scanFast(counts *fastCounts) pgx.RowToFunc[Event] {
+	return func(row pgx.CollectableRow) (Event, error) {
+		var rule *int64
+		e, err := scanEventWith(row, &rule, &counts[0], &counts[1], &counts[2], &counts[3])
+		if err != nil || rule == nil {
+			return e, err
+		}
+		// Handed off: its payload was not sent back, and nothing about it
+		// is a fault.
+		e.fastRule, e.fault = int(*rule), ""
+		return e, nil
+	}
+}
+
+// takeFast splits the claimed events into those the one-statement claim
+// handed off, summed up in the returned Result, and the rest, for the Go
+// handoff. It checks the statement's counts against what it says it handed
+// off; an error means the transaction must not commit.
+func (f *fastRoutes) takeFast(events []Event, n fastCounts) (Result, []Event, error) {
+	var (
+		res  Result
+		rest = make([]Event, 0, len(events))
+	)
+	for _, e := range events {
+		if e.fastRule == 0 {
+			rest = append(rest, e)
+			continue
+		}
+		if e.fastRule > len(f.rules) {
+			return Result{}, nil, fmt.Errorf("claim: event %d handed off by rule %d of %d", e.ID, e.fastRule, len(f.rules))
+		}
+		res.Done++
+		res.OneStatement++
+		res.Jobs += f.jobs[e.fastRule-1]
+		res.Handed = append(res.Handed, Handed{ID: e.ID, Type: e.Type, Route: f.rules[e.fastRule-1].Prefix, CreatedAt: e.CreatedAt})
+	}
+	if n[0] != int64(res.Jobs) || n[1] != int64(res.Done) || n[2] != int64(res.Jobs) {
+		return Result{}, nil, fmt.Errorf("claim: one-statement handoff: %d jobs inserted for %d, %d events marked done for %d, %d job ids recorded for %d",
+			n[0], res.Jobs, n[1], res.Done, n[2], res.Jobs)
+	}
+	return res, rest, nil
+}
+
+// fastRoutesOf returns h's routes as fastSQL's arrays, built on first use
+// (the table does not change), or nil when the one-statement claim is off.
+func (h *Handoff) fastRoutesOf() *fastRoutes {
+	if h.Routes == nil || h.goOnly {
+		return nil
+	}
+	h.fastOnce.Do(func() { h.fast = newFastRoutes(h.Routes) })
+	return h.fast
+}
