@@ -3,7 +3,10 @@
 // per (event, queue) and mark the events done, all in one transaction, so
 // that the handoff is exactly-once. The jobs are River's rows as River's
 // InsertManyTx makes them, inserted by the statement that marks their
-// events done (handoffSQL): a batch costs two round trips and the COMMIT.
+// events done. For the common event (no ordering key, a payload within the
+// rule) that statement is the claim itself (fastSQL), and a batch of such
+// events costs one round trip; the others are routed in Go and handed off
+// by handoffSQL, and their batch costs two round trips and the COMMIT.
 //
 // A batch whose River insert fails is rolled back and retried event by
 // event, each in its own transaction, so that one poison event fails alone:
@@ -18,9 +21,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -304,6 +309,8 @@ type Handoff struct {
 	// charged a failed attempt. 0 means no bound of its own.
 	Timeout time.Duration
 	Alerter alert.Alerter
+	// Logger receives the handoff's warnings; nil means slog.Default().
+	Logger *slog.Logger
 	// SynchronousCommit makes the batch transaction wait for its WAL flush.
 	// By default it does not (synchronous_commit off for the transaction): the
 	// handoff stays exactly-once because a River worker can only start a
@@ -318,10 +325,16 @@ type Handoff struct {
 
 	// fast is the routing table as the one-statement claim's arrays
 	// (fastRoutesOf); goOnly turns that claim off (tests compare the two
-	// handoffs).
-	fastOnce sync.Once
-	fast     *fastRoutes
-	goOnly   bool
+	// handoffs), fastOffUntil (Unix ns) for a while after it failed.
+	// oneTrip: the last batch was handed off by the statement whole, so
+	// the next one is sent in one round trip; noOneTrip: never (migration
+	// 016 is missing).
+	fastOnce     sync.Once
+	fast         *fastRoutes
+	goOnly       bool
+	fastOffUntil atomic.Int64
+	oneTrip      atomic.Bool
+	noOneTrip    atomic.Bool
 }
 
 // Result summarises one batch.
@@ -426,7 +439,7 @@ func (h *Handoff) Rescue(ctx context.Context) (int64, error) {
 // rolled back and every claimed event is retried in its own transaction.
 // An error means the batch could not run at all (nothing changed).
 func (h *Handoff) Batch(ctx context.Context, limit int) (Result, error) {
-	return h.batch(ctx, budgetedClaimSQL, fastClaimSQL, limit, h.batchBytes(), outbox.MaxPayloadBytes)
+	return h.batch(ctx, batchClaim, limit, h.batchBytes(), outbox.MaxPayloadBytes)
 }
 
 func (h *Handoff) batchBytes() int {
@@ -440,7 +453,7 @@ func (h *Handoff) batchBytes() int {
 // the continuation of a drain (see claimAfterSQL). It may miss events
 // behind the position; a later Batch finds them.
 func (h *Handoff) BatchAfter(ctx context.Context, limit int, after Position) (Result, error) {
-	return h.batch(ctx, budgetedClaimAfterSQL, fastClaimAfterSQL, limit, h.batchBytes(), outbox.MaxPayloadBytes, after.ScheduledAt, after.ID)
+	return h.batch(ctx, afterClaim, limit, h.batchBytes(), outbox.MaxPayloadBytes, after.ScheduledAt, after.ID)
 }
 
 // BatchOfKey is Batch for the due events of one ordering key, in the
@@ -450,13 +463,199 @@ func (h *Handoff) BatchAfter(ctx context.Context, limit int, after Position) (Re
 // with the key's next events, wherever they are in claim order, while
 // other batches go on past them.
 func (h *Handoff) BatchOfKey(ctx context.Context, limit int, key Key) (Result, error) {
-	return h.batch(ctx, budgetedClaimKeySQL, "", limit, h.batchBytes(), outbox.MaxPayloadBytes, key.TenantID, key.OrderingKey)
+	return h.batch(ctx, keyClaim, limit, h.batchBytes(), outbox.MaxPayloadBytes, key.TenantID, key.OrderingKey)
 }
 
-// batch claims with sql and hands the claimed events off. fastSQL, when
-// not "", is sql's one-statement form (fastSQL), used unless the handoff's
-// routes have none (fastRoutesOf).
-func (h *Handoff) batch(ctx context.Context, sql, fastSQL string, args ...any) (Result, error) {
+// claimQuery is a claim and its one-statement forms (fastSQL): in the
+// batch transaction (fast) and on its own (oneTrip); "" when it has none.
+type claimQuery struct{ sql, fast, oneTrip string }
+
+var (
+	batchClaim = claimQuery{budgetedClaimSQL, fastClaimSQL, oneTripClaimSQL}
+	afterClaim = claimQuery{budgetedClaimAfterSQL, fastClaimAfterSQL, oneTripClaimAfterSQL}
+	// A key's walk claims only keyed events, which the statement never
+	// hands off.
+	keyClaim = claimQuery{sql: budgetedClaimKeySQL}
+)
+
+// batch claims with q and hands the claimed events off, in one of three
+// ways:
+//
+//   - one round trip: the one-statement claim (fastSQL) sent without BEGIN,
+//     so that it commits on its own, checked by the statement itself
+//     (migration 016). Used while the batches before were handed off by the
+//     statement whole. Events it leaves (an ordering key, a fault, ...) are
+//     not locked any more when it returns; a batch transaction (below)
+//     claims and hands them off at once, and the next batches use that
+//     until one is handed off by the statement whole again.
+//   - the batch transaction with the one-statement claim: the statement
+//     hands the common events off, the Go handoff the rest, and the
+//     dispatcher checks the statement's counts before COMMIT.
+//   - the batch transaction with the plain claim and the Go handoff alone:
+//     for the walk of a key, for routes the statement cannot write, and for
+//     fastOffFor after the statement failed.
+func (h *Handoff) batch(ctx context.Context, q claimQuery, args ...any) (Result, error) {
+	fast := h.fastRoutesOf(q)
+	if fast == nil {
+		return h.txBatch(ctx, q.sql, nil, "", args)
+	}
+	var (
+		res Result
+		ff  *fastFailure
+	)
+	if h.oneTrip.Load() && !h.noOneTrip.Load() {
+		first, rest, err := h.oneTripBatch(ctx, fast, q.oneTrip, args)
+		switch {
+		case err == nil && rest == 0:
+			return first, nil
+		case err == nil:
+			res = first
+		case errors.As(err, &ff):
+			fast = h.fastFailed(ff, true)
+		default:
+			return first, err
+		}
+		h.oneTrip.Store(false)
+		if fast == nil {
+			return h.txBatch(ctx, q.sql, nil, "", args)
+		}
+	}
+	more, err := h.txBatch(ctx, q.sql, fast, q.fast, args)
+	if errors.As(err, &ff) {
+		h.fastFailed(ff, false)
+		more, err = h.txBatch(ctx, q.sql, nil, "", args)
+	} else if err == nil && more.Claimed > 0 && !more.Fallback {
+		// Whole batches go one round trip at a time from the next one on.
+		h.oneTrip.Store(more.OneStatement == more.Claimed)
+	}
+	res.merge(more)
+	return res, err
+}
+
+// fastFailure is a failure of the one-statement claim, not of the
+// database: the batch is handed off again without it.
+type fastFailure struct{ err error }
+
+func (f *fastFailure) Error() string { return "one-statement handoff: " + f.err.Error() }
+func (f *fastFailure) Unwrap() error { return f.err }
+
+// fastOffFor is how long the one-statement claim stays off after it failed
+// (a trigger on River's table refused a job, a slow insert timed out):
+// meanwhile the Go handoff finds the event at fault and charges it alone,
+// and a failure that repeats costs a failed statement twice a minute, not
+// at every batch.
+const fastOffFor = 30 * time.Second
+
+// fastFailed logs a failure of the one-statement claim and turns the
+// statement off for fastOffFor; it returns the routes for the batch
+// transaction to use next (nil: the plain claim). A one-round-trip statement
+// whose check function is missing (migration 016 not applied) turns only
+// the one round trip off, until the process restarts.
+func (h *Handoff) fastFailed(f *fastFailure, oneTrip bool) *fastRoutes {
+	var pgErr *pgconn.PgError
+	if oneTrip && errors.As(f.err, &pgErr) && pgErr.Code == "42883" {
+		h.noOneTrip.Store(true)
+		h.logger().Warn("outbox: outbox_handoff_check() is missing (run `outboxctl migrate`): batches are handed off in a batch transaction, one round trip more each",
+			slog.String("error", f.err.Error()))
+		return h.fast
+	}
+	h.fastOffUntil.Store(time.Now().Add(fastOffFor).UnixNano())
+	h.logger().Warn("outbox: the one-statement handoff failed; batches are handed off by the Go handoff for a while",
+		slog.String("error", f.err.Error()), slog.Duration("for", fastOffFor))
+	return nil
+}
+
+func (h *Handoff) logger() *slog.Logger {
+	if h.Logger != nil {
+		return h.Logger
+	}
+	return slog.Default()
+}
+
+// merge adds o, a later batch of the same call, to r: the counts, and the
+// claim's extent (the larger claim, the later position).
+func (r *Result) merge(o Result) {
+	r.add(o)
+	r.Claimed = max(r.Claimed, o.Claimed)
+	r.More = r.More || o.More
+	r.Fallback = r.Fallback || o.Fallback
+	if o.Last.After(r.Last) {
+		r.Last = o.Last
+	}
+}
+
+// oneTripBatch claims and hands off with the one-statement claim sent
+// without BEGIN: the setup and the statement are one implicit transaction,
+// which commits when the server reaches the batch's Sync, in one round
+// trip. It returns the batch's result and how many claimed events the
+// statement left (not handed off, and no longer locked). A failure of the
+// statement is a *fastFailure after the connection was reaped if it timed
+// out; nothing of it is committed.
+func (h *Handoff) oneTripBatch(ctx context.Context, fast *fastRoutes, sql string, args []any) (Result, int, error) {
+	var res Result
+	conn, err := h.Pool.Acquire(ctx)
+	if err != nil {
+		return res, 0, fmt.Errorf("claim: acquire connection: %w", err)
+	}
+	defer conn.Release()
+	tctx, cancel := h.txContext(ctx)
+	defer cancel()
+
+	var counts fastCounts
+	b := &pgx.Batch{}
+	b.Queue(h.setupSQL())
+	b.Queue(sql, append(args, fast.args()...)...)
+	br := conn.Conn().SendBatch(tctx, b)
+	var events []Event
+	_, err = br.Exec()
+	if err == nil {
+		var rows pgx.Rows
+		if rows, err = br.Query(); err == nil {
+			events, err = pgx.CollectRows(rows, scanFast(&counts))
+		}
+	}
+	// Close reads the end of the batch: the implicit transaction's commit.
+	if closeErr := br.Close(); err == nil {
+		err = closeErr
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			return res, 0, err
+		}
+		timeout := timedOut(ctx, tctx, err)
+		if timeout {
+			h.reap(ctx, conn.Conn())
+		}
+		if IsTransient(err) && !timeout {
+			return res, 0, fmt.Errorf("claim: %w", err)
+		}
+		return res, 0, &fastFailure{err}
+	}
+	res.Claimed = len(events)
+	if n := len(events); n > 0 {
+		res.More = events[n-1].more
+		res.Last = Position{ScheduledAt: events[n-1].ScheduledAt, ID: events[n-1].ID}
+	}
+	handed, rest := fast.summarize(events)
+	res.add(handed)
+	return res, len(rest), nil
+}
+
+// setupSQL is the batch's first statement (planSettingsSQL, with
+// synchronous_commit off unless SynchronousCommit).
+func (h *Handoff) setupSQL() string {
+	if h.SynchronousCommit {
+		return planSettingsSQL
+	}
+	return asyncPlanSettingsSQL
+}
+
+// txBatch claims with sql, or with fastSQL (the one-statement claim of
+// fast) when fast is not nil, and hands the claimed events off in the
+// batch transaction. A failure of the one-statement claim (as a whole, or
+// its counts) is a *fastFailure, after a rollback (and a reap if it timed
+// out): nothing of it is committed, and the caller claims again without it.
+func (h *Handoff) txBatch(ctx context.Context, sql string, fast *fastRoutes, fastSQL string, args []any) (Result, error) {
 	var res Result
 	conn, err := h.Pool.Acquire(ctx)
 	if err != nil {
@@ -469,27 +668,25 @@ func (h *Handoff) batch(ctx context.Context, sql, fastSQL string, args ...any) (
 	var (
 		tx     pgx.Tx
 		events []Event
-		fast   *fastRoutes
 		counts fastCounts
 	)
-	if fastSQL != "" {
-		fast = h.fastRoutesOf()
-	}
 	if fast != nil {
 		tx, events, err = h.beginWith(tctx, conn.Conn(), scanFast(&counts), fastSQL, append(args, fast.args()...)...)
-		if err != nil && ctx.Err() == nil && tctx.Err() == nil && !IsTransient(err) && !conn.Conn().IsClosed() {
-			// The statement failed as a whole, not the database (a
-			// trigger on River's table refused a job, say): nothing of it
-			// remains. Claim again without it; the Go handoff finds the
-			// event at fault and fails it alone.
-			fast = nil
-			tx, events, err = h.begin(tctx, conn.Conn(), sql, args...)
-		}
 	} else {
 		tx, events, err = h.begin(tctx, conn.Conn(), sql, args...)
 	}
 	if err != nil {
-		return res, err
+		if fast == nil || ctx.Err() != nil {
+			return res, err
+		}
+		timeout := timedOut(ctx, tctx, err)
+		if timeout {
+			h.reap(ctx, conn.Conn())
+		}
+		if IsTransient(err) && !timeout {
+			return res, err
+		}
+		return res, &fastFailure{err}
 	}
 	defer rollback(ctx, tx)
 	res.Claimed = len(events)
@@ -512,11 +709,12 @@ func (h *Handoff) batch(ctx context.Context, sql, fastSQL string, args ...any) (
 		unroutable []Event
 	)
 	if fast != nil {
-		fastRes, rest, err = fast.takeFast(events, counts)
+		if fastRes, rest, err = fast.takeFast(events, counts); err != nil {
+			rollback(ctx, tx)
+			return Result{}, &fastFailure{err}
+		}
 	}
-	if err == nil {
-		batchRes, unroutable, err = h.handoff(tctx, tx, rest)
-	}
+	batchRes, unroutable, err = h.handoff(tctx, tx, rest)
 	if err != nil {
 		if ctx.Err() != nil {
 			return res, err
@@ -714,11 +912,7 @@ func (h *Handoff) begin(ctx context.Context, conn *pgx.Conn, sql string, args ..
 
 // beginWith is begin for a claim whose rows scan reads.
 func (h *Handoff) beginWith(ctx context.Context, conn *pgx.Conn, scan pgx.RowToFunc[Event], sql string, args ...any) (pgx.Tx, []Event, error) {
-	setup := planSettingsSQL
-	if !h.SynchronousCommit {
-		setup = asyncPlanSettingsSQL
-	}
-	tx, events, err := beginAndClaim(ctx, conn, setup, scan, sql, args...)
+	tx, events, err := beginAndClaim(ctx, conn, h.setupSQL(), scan, sql, args...)
 	if err != nil {
 		return nil, nil, fmt.Errorf("claim: %w", err)
 	}
@@ -764,7 +958,7 @@ func scanEventWith(row pgx.CollectableRow, extra ...any) (Event, error) {
 	switch {
 	case created.InfinityModifier != pgtype.Finite:
 		e.fault = "created_at is infinite: the job args cannot carry it"
-	case created.Time.Year() < 0 || created.Time.Year() > 9999:
+	case e.CreatedAt.Year() < 0 || e.CreatedAt.Year() > 9999:
 		e.fault = fmt.Sprintf("created_at %s is outside years 0..9999: the job args cannot carry it", created.Time.Format(time.RFC3339))
 	case scheduled.InfinityModifier != pgtype.Finite:
 		e.fault = "scheduled_at is infinite"

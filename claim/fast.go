@@ -3,6 +3,8 @@ package claim
 import (
 	"encoding/json"
 	"fmt"
+	"slices"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -144,8 +146,15 @@ func (f *fastRoutes) args() []any {
 // The statement returns the claim's rows in claim order, each with the
 // rule the statement handed it off by (NULL when it did not; its payload
 // is then not sent back) and the handoff's four counts (handoffCounts).
-func fastSQL(claim string, base int) string {
+func fastSQL(claim string, base int, oneTrip bool) string {
 	p := func(i int) string { return fmt.Sprintf("$%d", base+i) }
+	// Sent without BEGIN the statement commits on its own, so it checks
+	// its counts itself (migration 016); in the batch transaction the
+	// dispatcher checks them before COMMIT (takeFast).
+	check := "NULL::bigint"
+	if oneTrip {
+		check = "outbox_handoff_check(x.jobs, (SELECT count(*) FROM job), x.done, (SELECT count(*) FROM ev), x.recorded)"
+	}
 	return `
 WITH c AS MATERIALIZED (` + claim + `),
 rule AS (
@@ -172,7 +181,7 @@ routed AS MATERIALIZED (
 ),
 ev AS (
     SELECT f.*,
-           regexp_replace(to_char(f.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US'), '\.?0+$', '') || 'Z' AS created,
+           regexp_replace(to_char(f.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US'), '[.]?0+$', '') || 'Z' AS created,
            split_part(coalesce(f.trace_context, ''), ' ', 1) AS traceparent,
            CASE WHEN strpos(f.trace_context, ' ') > 0 THEN substr(f.trace_context, strpos(f.trace_context, ' ') + 1) ELSE '' END AS tracestate
     FROM routed f
@@ -198,12 +207,13 @@ job AS (
         SELECT event_id, array_agg(id ORDER BY id) AS ids
         FROM ins
         GROUP BY event_id`) + `,
-counts AS (
-    SELECT ` + handoffCounts + `
+counts AS MATERIALIZED (
+    SELECT x.*, ` + check + ` AS checked
+    FROM (SELECT ` + handoffCounts + `) x(jobs, done, recorded, queues)
 )
 SELECT f.id, f.event_type, f.tenant_id, CASE WHEN f.rule_idx IS NULL THEN f.payload END, f.size, f.dispatch_key, f.retries,
        f.created_at, f.scheduled_at, f.trace_context, f.ordering_key, f.ordering_position, f.has_next, f.blocked, f.soon,
-       f.rule_idx, n.*
+       f.rule_idx, n.jobs, n.done, n.recorded, n.queues
 FROM routed f
 CROSS JOIN counts n
 ORDER BY f.scheduled_at, f.id`
@@ -212,8 +222,11 @@ ORDER BY f.scheduled_at, f.id`
 // The claims with a one-statement form. A key's walk (claimKeySQL) claims
 // only keyed events, which the statement never hands off.
 var (
-	fastClaimSQL      = fastSQL(budgetedClaimSQL, 4)
-	fastClaimAfterSQL = fastSQL(budgetedClaimAfterSQL, 6)
+	fastClaimSQL      = fastSQL(budgetedClaimSQL, 4, false)
+	fastClaimAfterSQL = fastSQL(budgetedClaimAfterSQL, 6, false)
+
+	oneTripClaimSQL      = fastSQL(budgetedClaimSQL, 4, true)
+	oneTripClaimAfterSQL = fastSQL(budgetedClaimAfterSQL, 6, true)
 )
 
 // fastCounts are what the one-statement claim reports of its handoff
@@ -241,23 +254,12 @@ func scanFast(counts *fastCounts) pgx.RowToFunc[Event] {
 // handoff. It checks the statement's counts against what it says it handed
 // off; an error means the transaction must not commit.
 func (f *fastRoutes) takeFast(events []Event, n fastCounts) (Result, []Event, error) {
-	var (
-		res  Result
-		rest = make([]Event, 0, len(events))
-	)
 	for _, e := range events {
-		if e.fastRule == 0 {
-			rest = append(rest, e)
-			continue
-		}
 		if e.fastRule > len(f.rules) {
 			return Result{}, nil, fmt.Errorf("claim: event %d handed off by rule %d of %d", e.ID, e.fastRule, len(f.rules))
 		}
-		res.Done++
-		res.OneStatement++
-		res.Jobs += f.jobs[e.fastRule-1]
-		res.Handed = append(res.Handed, Handed{ID: e.ID, Type: e.Type, Route: f.rules[e.fastRule-1].Prefix, CreatedAt: e.CreatedAt})
 	}
+	res, rest := f.summarize(events)
 	if n[0] != int64(res.Jobs) || n[1] != int64(res.Done) || n[2] != int64(res.Jobs) {
 		return Result{}, nil, fmt.Errorf("claim: one-statement handoff: %d jobs inserted for %d, %d events marked done for %d, %d job ids recorded for %d",
 			n[0], res.Jobs, n[1], res.Done, n[2], res.Jobs)
@@ -265,12 +267,39 @@ func (f *fastRoutes) takeFast(events []Event, n fastCounts) (Result, []Event, er
 	return res, rest, nil
 }
 
-// fastRoutesOf returns h's routes as fastSQL's arrays, built on first use
-// (the table does not change), or nil when the one-statement claim is off.
-func (h *Handoff) fastRoutesOf() *fastRoutes {
-	if h.Routes == nil || h.goOnly {
+// summarize is takeFast without the checks, for a statement that checked
+// its counts itself (and an event's rule is one of f's, as f's arrays were
+// its input).
+func (f *fastRoutes) summarize(events []Event) (Result, []Event) {
+	var (
+		res  Result
+		rest = make([]Event, 0, len(events))
+	)
+	for _, e := range events {
+		if e.fastRule == 0 || e.fastRule > len(f.rules) {
+			rest = append(rest, e)
+			continue
+		}
+		res.Done++
+		res.OneStatement++
+		res.Jobs += f.jobs[e.fastRule-1]
+		res.Handed = append(res.Handed, Handed{ID: e.ID, Type: e.Type, Route: f.rules[e.fastRule-1].Prefix, CreatedAt: e.CreatedAt})
+	}
+	return res, rest
+}
+
+// fastRoutesOf returns h's routes as fastSQL's arrays for claim q, built on
+// first use (the table does not change), or nil when q has no one-statement
+// form, no rule is one the statement writes, or the statement is off.
+func (h *Handoff) fastRoutesOf(q claimQuery) *fastRoutes {
+	if q.fast == "" || h.Routes == nil || h.goOnly || time.Now().UnixNano() < h.fastOffUntil.Load() {
 		return nil
 	}
-	h.fastOnce.Do(func() { h.fast = newFastRoutes(h.Routes) })
+	h.fastOnce.Do(func() {
+		f := newFastRoutes(h.Routes)
+		if slices.Contains(f.fast, true) {
+			h.fast = f
+		}
+	})
 	return h.fast
 }

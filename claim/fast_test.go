@@ -117,6 +117,15 @@ FROM outbox_event e ORDER BY e.id`)
 // the Go handoff, in the same transaction.
 func TestFastHandoffMatchesGoHandoff(t *testing.T) {
 	t.Parallel()
+	for _, oneTrip := range []bool{false, true} {
+		t.Run(map[bool]string{false: "in the batch transaction", true: "in one round trip"}[oneTrip], func(t *testing.T) {
+			t.Parallel()
+			testFastHandoffMatchesGoHandoff(t, oneTrip)
+		})
+	}
+}
+
+func testFastHandoffMatchesGoHandoff(t *testing.T, oneTrip bool) {
 	ctx := pgtest.Context(t, 60*time.Second)
 	routes := fastTestRoutes(t)
 
@@ -127,6 +136,10 @@ func TestFastHandoffMatchesGoHandoff(t *testing.T) {
 
 	goOnly := &Handoff{Pool: goSchema.Pool, Routes: routes, MaxRetries: 3, goOnly: true}
 	withFast := &Handoff{Pool: fastSchema.Pool, Routes: routes, MaxRetries: 3}
+	// One round trip is what a handoff uses after a batch the statement
+	// handed off whole; the events it leaves go to a batch transaction
+	// in the same call.
+	withFast.oneTrip.Store(oneTrip)
 	goRes, err := goOnly.Batch(ctx, 100)
 	if err != nil {
 		t.Fatal(err)
@@ -142,11 +155,16 @@ func TestFastHandoffMatchesGoHandoff(t *testing.T) {
 		t.Fatalf("the claim's statement handed off %d events, want %d", fastRes.OneStatement, wantFast)
 	}
 	if goRes.Done != fastRes.Done || goRes.Jobs != fastRes.Jobs || goRes.Unroutable != fastRes.Unroutable ||
-		goRes.Broken != fastRes.Broken || goRes.Blocked != fastRes.Blocked {
+		goRes.Broken != fastRes.Broken || goRes.Blocked != fastRes.Blocked || goRes.Claimed != fastRes.Claimed || goRes.Last.ID != fastRes.Last.ID {
 		t.Fatalf("results differ:\n go   %+v\n fast %+v", goRes, fastRes)
 	}
 	if goRes.Done != wantFast+2 || goRes.Unroutable != 1 || goRes.Broken != 1 {
 		t.Fatalf("Go handoff: %+v; want %d done, 1 unroutable, 1 broken", goRes, wantFast+2)
+	}
+	// The events the statement left turn the next batch back to the
+	// batch transaction.
+	if withFast.oneTrip.Load() {
+		t.Error("a batch with events the statement left keeps one round trip for the next")
 	}
 	routed := map[int64]string{}
 	for _, h := range goRes.Handed {
@@ -203,5 +221,162 @@ func TestFastHandoffChecksItsCounts(t *testing.T) {
 	res, rest, err := f.takeFast(events, fastCounts{3, 1, 3, 3})
 	if err != nil || res.Done != 1 || res.Jobs != 3 || res.OneStatement != 1 || len(rest) != 1 || rest[0].ID != 2 {
 		t.Fatalf("takeFast = %+v, %v, %v", res, rest, err)
+	}
+}
+
+// TestOneRoundTripAfterWholeBatches follows the handoff's choice of round
+// trips: a batch of common events in the batch transaction, then the next
+// in one round trip, which the statement commits on its own; a batch with
+// an event the statement leaves (an ordering key) hands that one off in a
+// batch transaction in the same call and sends the next batch there too.
+func TestOneRoundTripAfterWholeBatches(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	h := &Handoff{Pool: s.Pool, Routes: fastTestRoutes(t), MaxRetries: 3}
+	publish := func(okey any) {
+		t.Helper()
+		if _, err := s.Pool.Exec(ctx, `INSERT INTO outbox_event (event_type, payload, ordering_key) VALUES ('audit.user.login', '{}', $1)`, okey); err != nil {
+			t.Fatal(err)
+		}
+	}
+	step := func(what string, wantDone, wantOne int, wantOneTripAfter bool) {
+		t.Helper()
+		res, err := h.Batch(ctx, 100)
+		if err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		if res.Done != wantDone || res.OneStatement != wantOne || h.oneTrip.Load() != wantOneTripAfter {
+			t.Fatalf("%s: %d done, %d by the statement, one round trip next %v; want %d, %d, %v",
+				what, res.Done, res.OneStatement, h.oneTrip.Load(), wantDone, wantOne, wantOneTripAfter)
+		}
+	}
+	publish(nil)
+	publish(nil)
+	step("first batch, in the batch transaction", 2, 2, true)
+	publish(nil)
+	step("a whole batch in one round trip", 1, 1, true)
+	publish(nil)
+	publish("k1")
+	step("a keyed event left by the round trip", 2, 1, false)
+	publish(nil)
+	step("back in the batch transaction", 1, 1, true)
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done' AND cardinality(river_job_ids) = 1`); n != 6 {
+		t.Fatalf("%d events done with their job, want 6", n)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job`); n != 6 {
+		t.Fatalf("%d River jobs, want 6", n)
+	}
+
+	// Without migration 016's check function the round trip is turned
+	// off for good and batches go on in the batch transaction.
+	if _, err := s.Pool.Exec(ctx, `DROP FUNCTION outbox_handoff_check(bigint, bigint, bigint, bigint, bigint)`); err != nil {
+		t.Fatal(err)
+	}
+	publish(nil)
+	h.oneTrip.Store(true)
+	res, err := h.Batch(ctx, 100)
+	if err != nil || res.Done != 1 || res.OneStatement != 1 || !h.noOneTrip.Load() {
+		t.Fatalf("without the check function: %+v, %v, one round trip off %v", res, err, h.noOneTrip.Load())
+	}
+}
+
+// TestOneRoundTripIsOneTransaction checks what the one-round-trip batch
+// rests on: statements sent in one pgx batch without BEGIN run in one
+// implicit transaction, so the setup's transaction-local settings apply to
+// the claim and end with it, and a failing statement rolls back the ones
+// before it.
+func TestOneRoundTripIsOneTransaction(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 30*time.Second)
+	conn, err := s.Pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	b := &pgx.Batch{}
+	b.Queue(asyncPlanSettingsSQL)
+	b.Queue(`SELECT current_setting('enable_seqscan') || ' ' || current_setting('synchronous_commit')`)
+	br := conn.SendBatch(ctx, b)
+	if _, err := br.Exec(); err != nil {
+		t.Fatal(err)
+	}
+	var inBatch string
+	if err := br.QueryRow().Scan(&inBatch); err != nil {
+		t.Fatal(err)
+	}
+	if err := br.Close(); err != nil {
+		t.Fatal(err)
+	}
+	var after string
+	if err := conn.QueryRow(ctx, `SELECT current_setting('enable_seqscan') || ' ' || current_setting('synchronous_commit')`).Scan(&after); err != nil {
+		t.Fatal(err)
+	}
+	if inBatch != "off off" || after != "on on" {
+		t.Fatalf("settings in the batch %q, after it %q; want \"off off\", then \"on on\"", inBatch, after)
+	}
+
+	if _, err := conn.Exec(ctx, `CREATE TABLE one_trip (n int)`); err != nil {
+		t.Fatal(err)
+	}
+	b = &pgx.Batch{}
+	b.Queue(`INSERT INTO one_trip VALUES (1)`)
+	b.Queue(`SELECT 1 / 0`)
+	if err := conn.SendBatch(ctx, b).Close(); err == nil {
+		t.Fatal("the failing batch did not fail")
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM one_trip`); n != 0 {
+		t.Fatalf("%d rows of a failed batch were committed", n)
+	}
+}
+
+// TestFastHandoffNeverCommitsMissingJobs makes River's table skip the jobs
+// of one event type (a BEFORE INSERT trigger returning NULL) and checks
+// both one-statement forms: neither commits an event without its jobs. The
+// statement fails its check, is turned off for a while, and the Go
+// handoff fails the event at fault alone while the others are handed off.
+func TestFastHandoffNeverCommitsMissingJobs(t *testing.T) {
+	t.Parallel()
+	for _, oneTrip := range []bool{false, true} {
+		t.Run(map[bool]string{false: "in the batch transaction", true: "in one round trip"}[oneTrip], func(t *testing.T) {
+			t.Parallel()
+			s := pgtest.NewSchema(t, nil)
+			ctx := pgtest.Context(t, 60*time.Second)
+			if _, err := s.Pool.Exec(ctx, `
+CREATE FUNCTION skip_jobs() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.metadata->>'outbox_event_type' = 'audit.user.skipped' THEN
+        RETURN NULL;
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER skip_jobs BEFORE INSERT ON river_job FOR EACH ROW EXECUTE FUNCTION skip_jobs();
+INSERT INTO outbox_event (event_type, payload) VALUES ('audit.user.login', '{}'), ('audit.user.skipped', '{}'), ('audit.user.logout', '{}');`); err != nil {
+				t.Fatal(err)
+			}
+			h := &Handoff{Pool: s.Pool, Routes: fastTestRoutes(t), MaxRetries: 3}
+			h.oneTrip.Store(oneTrip)
+			res, err := h.Batch(ctx, 100)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Done != 2 || res.OneStatement != 0 || res.Retried != 1 {
+				t.Fatalf("result %+v; want 2 done by the Go handoff and 1 retried", res)
+			}
+			if h.fastRoutesOf(batchClaim) != nil {
+				t.Error("the statement is still on after its check failed")
+			}
+			if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event e WHERE status = 'done' AND (SELECT count(*) FROM river_job j WHERE j.id = ANY(e.river_job_ids)) <> 1`); n != 0 {
+				t.Fatalf("%d events done without their job", n)
+			}
+			var status, lastErr string
+			if err := s.Pool.QueryRow(ctx, `SELECT status::text, coalesce(last_error, '') FROM outbox_event WHERE event_type = 'audit.user.skipped'`).Scan(&status, &lastErr); err != nil {
+				t.Fatal(err)
+			}
+			if status != "pending" || !strings.Contains(lastErr, "jobs inserted") {
+				t.Fatalf("the event at fault: %s, %q; want pending with the counts in last_error", status, lastErr)
+			}
+		})
 	}
 }

@@ -293,6 +293,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 			BatchBytes:        cfg.BatchBytes,
 			Timeout:           cfg.BatchTimeout,
 			Alerter:           cfg.Alerter,
+			Logger:            cfg.Logger,
 			SynchronousCommit: cfg.SynchronousCommit,
 		},
 	}
