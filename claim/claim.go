@@ -335,6 +335,9 @@ type Handoff struct {
 	fastOffUntil atomic.Int64
 	oneTrip      atomic.Bool
 	noOneTrip    atomic.Bool
+	// plainLeft counts down the batches that use the plain claim after
+	// one in which the statement handed nothing off (plainBatches).
+	plainLeft atomic.Int32
 }
 
 // Result summarises one batch.
@@ -492,10 +495,18 @@ var (
 //     hands the common events off, the Go handoff the rest, and the
 //     dispatcher checks the statement's counts before COMMIT.
 //   - the batch transaction with the plain claim and the Go handoff alone:
-//     for the walk of a key, for routes the statement cannot write, and for
-//     fastOffFor after the statement failed.
+//     for the walk of a key, for routes the statement cannot write, for
+//     fastOffFor after the statement failed, and for plainBatches after a
+//     batch in which it handed nothing off.
 func (h *Handoff) batch(ctx context.Context, q claimQuery, args ...any) (Result, error) {
 	fast := h.fastRoutesOf(q)
+	if fast != nil && h.plainLeft.Load() > 0 {
+		// The statement handed nothing off lately (every event keyed,
+		// say): the plain claim, without the routing it would do for
+		// nothing, until plainLeft runs out.
+		h.plainLeft.Add(-1)
+		fast = nil
+	}
 	if fast == nil {
 		return h.txBatch(ctx, q.sql, nil, "", args)
 	}
@@ -524,13 +535,26 @@ func (h *Handoff) batch(ctx context.Context, q claimQuery, args ...any) (Result,
 	if errors.As(err, &ff) {
 		h.fastFailed(ff, false)
 		more, err = h.txBatch(ctx, q.sql, nil, "", args)
-	} else if err == nil && more.Claimed > 0 && !more.Fallback {
-		// Whole batches go one round trip at a time from the next one on.
-		h.oneTrip.Store(more.OneStatement == more.Claimed)
+		res.merge(more)
+		return res, err
 	}
 	res.merge(more)
+	if err == nil && res.Claimed > 0 && !res.Fallback {
+		// Whole batches go one round trip at a time from the next one on;
+		// after a batch with nothing for the statement, the next
+		// plainBatches use the plain claim.
+		h.oneTrip.Store(res.OneStatement == res.Claimed)
+		if res.OneStatement == 0 {
+			h.plainLeft.Store(plainBatches)
+		}
+	}
 	return res, err
 }
+
+// plainBatches is how many batches use the plain claim after a batch in
+// which the one-statement claim handed nothing off: a stream of keyed
+// events pays for the statement's routing once in plainBatches+1 batches.
+const plainBatches = 15
 
 // fastFailure is a failure of the one-statement claim, not of the
 // database: the batch is handed off again without it.

@@ -380,3 +380,43 @@ INSERT INTO outbox_event (event_type, payload) VALUES ('audit.user.login', '{}')
 		})
 	}
 }
+
+// TestPlainClaimAfterBatchesOfKeyedEvents checks that a batch in which the
+// claim statement hands nothing off (every event keyed) sends the next
+// plainBatches batches to the plain claim, which skips the statement's
+// routing, and that the statement comes back after them.
+func TestPlainClaimAfterBatchesOfKeyedEvents(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	h := &Handoff{Pool: s.Pool, Routes: fastTestRoutes(t), MaxRetries: 3}
+	publish := func(okey any) {
+		t.Helper()
+		if _, err := s.Pool.Exec(ctx, `INSERT INTO outbox_event (event_type, payload, ordering_key) VALUES ('audit.user.login', '{}', $1)`, okey); err != nil {
+			t.Fatal(err)
+		}
+	}
+	batch := func() Result {
+		t.Helper()
+		res, err := h.Batch(ctx, 100)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res
+	}
+	publish("k1")
+	if res := batch(); res.Done != 1 || res.OneStatement != 0 || h.plainLeft.Load() != plainBatches {
+		t.Fatalf("keyed batch: %+v, plain batches left %d; want 1 done by the Go handoff, %d left", res, h.plainLeft.Load(), plainBatches)
+	}
+	publish(nil)
+	if res := batch(); res.Done != 1 || res.OneStatement != 0 {
+		t.Fatalf("the batch after it: %+v; want 1 done by the plain claim", res)
+	}
+	for h.plainLeft.Load() > 0 {
+		batch()
+	}
+	publish(nil)
+	if res := batch(); res.Done != 1 || res.OneStatement != 1 {
+		t.Fatalf("after the plain batches: %+v; want 1 done by the statement", res)
+	}
+}
