@@ -513,6 +513,9 @@ func (h *Handoff) batch(ctx context.Context, q claimQuery, args ...any) (Result,
 	var (
 		res Result
 		ff  *fastFailure
+		// leftOver: the one-round-trip batch left events to this call's
+		// batch transaction.
+		leftOver bool
 	)
 	if h.oneTrip.Load() && !h.noOneTrip.Load() {
 		first, rest, err := h.oneTripBatch(ctx, fast, q.oneTrip, args)
@@ -520,7 +523,7 @@ func (h *Handoff) batch(ctx context.Context, q claimQuery, args ...any) (Result,
 		case err == nil && rest == 0:
 			return first, nil
 		case err == nil:
-			res = first
+			res, leftOver = first, true
 		case errors.As(err, &ff):
 			fast = h.fastFailed(ff, true)
 		default:
@@ -539,11 +542,11 @@ func (h *Handoff) batch(ctx context.Context, q claimQuery, args ...any) (Result,
 		return res, err
 	}
 	res.merge(more)
-	if err == nil && res.Claimed > 0 && !res.Fallback {
+	if err == nil && more.Claimed > 0 && !res.Fallback {
 		// Whole batches go one round trip at a time from the next one on;
 		// after a batch with nothing for the statement, the next
 		// plainBatches use the plain claim.
-		h.oneTrip.Store(res.OneStatement == res.Claimed)
+		h.oneTrip.Store(!leftOver && more.OneStatement == more.Claimed)
 		if res.OneStatement == 0 {
 			h.plainLeft.Store(plainBatches)
 		}

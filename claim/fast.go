@@ -17,20 +17,21 @@ import (
 // claim, the handoff statement (handoffSQL) and the COMMIT. The claim's
 // round trip came back to the dispatcher only so that Go could route the
 // events and encode their jobs' args and metadata; for the common event
-// (no ordering key, a payload well within the payload rule, a rule whose
-// jobs the handoff can write) that work is plain data, which fastSQL does
-// in the claim's own statement: it claims, routes by the longest matching
+// (no ordering key, a payload within the payload rule, a rule whose jobs
+// the handoff can write) that work is plain data, which fastSQL does in
+// the claim's own statement: it claims, routes by the longest matching
 // prefix, builds each job's args and metadata as outboxriver.JobParams
 // does, inserts River's rows, marks the events done and announces the
-// queues. A batch of such events takes two round trips (claim statement,
-// COMMIT), the shape of the relay floor (docs/benchmarks.md, "The floor").
+// queues. In the batch transaction a batch of such events takes two round
+// trips (claim statement, COMMIT); sent without BEGIN (Handoff.batch), one,
+// the shape of the relay floor (docs/benchmarks.md, "The floor").
 //
-// Every other event of the batch (an ordering key, a fault, a large
-// payload, no rule, a rule the statement cannot write) comes back locked
-// and untouched, and the Go handoff (Handoff.handoff) hands it off in the
-// same transaction as before. The statement's rows are the Go handoff's
-// rows: TestFastHandoffMatchesGoHandoff hands the same events off both
-// ways and compares every column of River's rows and of the events.
+// Every other event of the batch (an ordering key, a fault, no rule, a
+// rule the statement cannot write) comes back locked and untouched, and
+// the Go handoff (Handoff.handoff) hands it off in the same transaction as
+// before. The statement's rows are the Go handoff's rows:
+// TestFastHandoffMatchesGoHandoff hands the same events off both ways and
+// compares every column of River's rows and of the events.
 
 // fastRoutes is a routing table as the parallel arrays of fastSQL, built
 // once per Handoff from its route.Table: the rules (longest prefix first,

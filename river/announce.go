@@ -14,8 +14,8 @@ import (
 // insert runs, and it sends no trailing notification: the jobs of a second
 // batch inserted inside that window wait for the next notification or for
 // the workers' FetchPollInterval. A caller that inserts many batches a
-// second (the dispatcher announces its own in the same format, in its
-// handoff statement) announces each batch's queues here. Within one
+// second (the dispatcher announces its own in the same format, in the
+// statement that hands its batch off) announces each batch's queues here. Within one
 // transaction Postgres delivers identical notifications (same channel,
 // same payload) once, so a batch whose insert River did announce costs
 // nothing more.

@@ -83,7 +83,8 @@ const silentCooldown = 100 * 365 * 24 * time.Hour
 // workers), with the outbox's low-latency notification settings, for an
 // application that inserts jobs worked by other clients: it skips River's
 // check that a worker is registered for the kind. (The dispatcher itself
-// inserts its jobs in its handoff statement; see package claim.)
+// inserts its jobs in the statements that hand its batches off; see package
+// claim.)
 func NewInsertClient(pool *pgxpool.Pool, cfg InsertClientConfig) (*river.Client[pgx.Tx], error) {
 	cooldown := cfg.FetchCooldown
 	switch {
