@@ -373,8 +373,9 @@ type Result struct {
 	// pending and due: another batch holds it, so claiming again shortly
 	// hands the waiting one off.
 	BlockedSoon bool
-	// Handed lists the handed-off events, in claim order (metrics count
-	// them by route and time them; benchmarks time each by id).
+	// Handed lists the handed-off events: those the claim statement
+	// handed off in claim order, then the Go handoff's (metrics count them
+	// by route and time them; benchmarks time each by id).
 	Handed []Handed
 	// Fallback is true when the batch failed as a whole and its events were
 	// retried one by one.
