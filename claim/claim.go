@@ -634,39 +634,54 @@ func (h *Handoff) oneTripBatch(ctx context.Context, fast *fastRoutes, sql string
 	b.Queue(h.setupSQL())
 	b.Queue(sql, append(args, fast.args()...)...)
 	br := conn.Conn().SendBatch(tctx, b)
-	var events []Event
-	_, err = br.Exec()
-	if err == nil {
-		var rows pgx.Rows
-		if rows, err = br.Query(); err == nil {
-			events, err = pgx.CollectRows(rows, scanFast(&counts))
-		}
-	}
+	events, err := readClaim(br, 1, scanFast(&counts))
 	// Close reads the end of the batch: the implicit transaction's commit.
 	if closeErr := br.Close(); err == nil {
 		err = closeErr
 	}
 	if err != nil {
-		if ctx.Err() != nil {
-			return res, 0, err
-		}
-		timeout := timedOut(ctx, tctx, err)
-		if timeout {
-			h.reap(ctx, conn.Conn())
-		}
-		if IsTransient(err) && !timeout {
-			return res, 0, fmt.Errorf("claim: %w", err)
-		}
-		return res, 0, &fastFailure{err}
+		return res, 0, h.fastError(ctx, tctx, conn.Conn(), fmt.Errorf("claim: %w", err))
 	}
-	res.Claimed = len(events)
+	res = extent(events)
+	// The rules come from fast's own arrays: summarize cannot fail here
+	// unless the statement is broken, and its check has passed.
+	handed, rest, err := fast.summarize(events)
+	if err != nil {
+		return res, 0, err
+	}
+	res.add(handed)
+	return res, len(rest), nil
+}
+
+// fastError classifies err, a failure of the one-statement claim on conn
+// whose transaction context was tctx: the caller's cancellation and a
+// database at fault (transient, not a timeout) are returned as they are;
+// anything else is a *fastFailure, after the session was reaped if it
+// timed out (it may still hold the claimed rows' locks).
+func (h *Handoff) fastError(ctx, tctx context.Context, conn *pgx.Conn, err error) error {
+	if ctx.Err() != nil {
+		return err
+	}
+	timeout := timedOut(ctx, tctx, err)
+	if timeout {
+		h.reap(ctx, conn)
+	}
+	if IsTransient(err) && !timeout {
+		return err
+	}
+	return &fastFailure{err}
+}
+
+// extent is the Result of a claim that returned events, before anything
+// is handed off: how many, whether the byte budget cut it, and the
+// claim-order position of its last event.
+func extent(events []Event) Result {
+	res := Result{Claimed: len(events)}
 	if n := len(events); n > 0 {
 		res.More = events[n-1].more
 		res.Last = Position{ScheduledAt: events[n-1].ScheduledAt, ID: events[n-1].ID}
 	}
-	handed, rest := fast.summarize(events)
-	res.add(handed)
-	return res, len(rest), nil
+	return res
 }
 
 // setupSQL is the batch's first statement (planSettingsSQL, with
@@ -704,24 +719,13 @@ func (h *Handoff) txBatch(ctx context.Context, sql string, fast *fastRoutes, fas
 		tx, events, err = h.begin(tctx, conn.Conn(), sql, args...)
 	}
 	if err != nil {
-		if fast == nil || ctx.Err() != nil {
+		if fast == nil {
 			return res, err
 		}
-		timeout := timedOut(ctx, tctx, err)
-		if timeout {
-			h.reap(ctx, conn.Conn())
-		}
-		if IsTransient(err) && !timeout {
-			return res, err
-		}
-		return res, &fastFailure{err}
+		return res, h.fastError(ctx, tctx, conn.Conn(), err)
 	}
 	defer rollback(ctx, tx)
-	res.Claimed = len(events)
-	if n := len(events); n > 0 {
-		res.More = events[n-1].more
-		res.Last = Position{ScheduledAt: events[n-1].ScheduledAt, ID: events[n-1].ID}
-	}
+	res = extent(events)
 	if len(events) == 0 {
 		// Nothing locked, nothing written.
 		return res, finish(tctx, tx, nil, nil)

@@ -56,6 +56,8 @@ type fastRoutes struct {
 	priority    []int16
 	maxAttempts []int16
 	tags        []string // comma-joined, as jobColumns
+
+	argv []any // args(), built once
 }
 
 // newFastRoutes builds the arrays of t. A rule's jobs are made with
@@ -101,13 +103,13 @@ func newFastRoutes(t *route.Table) *fastRoutes {
 			f.tags = append(f.tags, cols.tags[k])
 		}
 	}
+	f.argv = []any{f.prefix, f.fast, f.rule, f.pos, f.queue, f.kind, f.payloadArgs, f.priority, f.maxAttempts, f.tags}
 	return f
 }
 
-// args returns fastSQL's arguments after the claim's own.
-func (f *fastRoutes) args() []any {
-	return []any{f.prefix, f.fast, f.rule, f.pos, f.queue, f.kind, f.payloadArgs, f.priority, f.maxAttempts, f.tags}
-}
+// args returns fastSQL's arguments after the claim's own (not to be
+// modified: every batch shares them).
+func (f *fastRoutes) args() []any { return f.argv }
 
 // fastSQL is the one-statement handoff around claim, a budgeted claim
 // (budgeted, ordered) whose own parameters are $1..$(base-1); the routes
@@ -255,12 +257,10 @@ func scanFast(counts *fastCounts) pgx.RowToFunc[Event] {
 // handoff. It checks the statement's counts against what it says it handed
 // off; an error means the transaction must not commit.
 func (f *fastRoutes) takeFast(events []Event, n fastCounts) (Result, []Event, error) {
-	for _, e := range events {
-		if e.fastRule > len(f.rules) {
-			return Result{}, nil, fmt.Errorf("claim: event %d handed off by rule %d of %d", e.ID, e.fastRule, len(f.rules))
-		}
+	res, rest, err := f.summarize(events)
+	if err != nil {
+		return Result{}, nil, err
 	}
-	res, rest := f.summarize(events)
 	if n[0] != int64(res.Jobs) || n[1] != int64(res.Done) || n[2] != int64(res.Jobs) {
 		return Result{}, nil, fmt.Errorf("claim: one-statement handoff: %d jobs inserted for %d, %d events marked done for %d, %d job ids recorded for %d",
 			n[0], res.Jobs, n[1], res.Done, n[2], res.Jobs)
@@ -268,25 +268,29 @@ func (f *fastRoutes) takeFast(events []Event, n fastCounts) (Result, []Event, er
 	return res, rest, nil
 }
 
-// summarize is takeFast without the checks, for a statement that checked
-// its counts itself (and an event's rule is one of f's, as f's arrays were
-// its input).
-func (f *fastRoutes) summarize(events []Event) (Result, []Event) {
+// summarize is takeFast without the check of the counts, for a statement
+// that checked them itself: the events handed off, summed up, and the rest.
+// An event handed off by a rule f does not have is an error.
+func (f *fastRoutes) summarize(events []Event) (Result, []Event, error) {
 	var (
 		res  Result
 		rest = make([]Event, 0, len(events))
 	)
 	for _, e := range events {
-		if e.fastRule == 0 || e.fastRule > len(f.rules) {
+		if e.fastRule == 0 {
 			rest = append(rest, e)
 			continue
 		}
+		if e.fastRule > len(f.rules) {
+			return Result{}, nil, fmt.Errorf("claim: event %d handed off by rule %d of %d", e.ID, e.fastRule, len(f.rules))
+		}
+		rule := f.rules[e.fastRule-1]
 		res.Done++
 		res.OneStatement++
 		res.Jobs += f.jobs[e.fastRule-1]
-		res.Handed = append(res.Handed, Handed{ID: e.ID, Type: e.Type, Route: f.rules[e.fastRule-1].Prefix, CreatedAt: e.CreatedAt})
+		res.Handed = append(res.Handed, Handed{ID: e.ID, Type: e.Type, Route: rule.Prefix, CreatedAt: e.CreatedAt})
 	}
-	return res, rest
+	return res, rest, nil
 }
 
 // fastRoutesOf returns h's routes as fastSQL's arrays for claim q, built on

@@ -94,11 +94,19 @@ VALUES ($1, $2::jsonb, $3::timestamptz, $4, $5, $6, $7)`, e.typ, e.payload, e.cr
 // route order (every column but the ids and the insert times).
 func handedOff(t *testing.T, ctx context.Context, pool *pgxpool.Pool) []string {
 	t.Helper()
-	rows, err := pool.Query(ctx, `
+	return queryStrings(t, ctx, pool, `
 SELECT (to_jsonb(e) - 'processed_at' - 'river_job_ids' - 'scheduled_at')::text || ' jobs ' || coalesce((
     SELECT jsonb_agg(to_jsonb(j) - 'id' - 'created_at' - 'scheduled_at' ORDER BY u.ord)
     FROM unnest(e.river_job_ids) WITH ORDINALITY u(job_id, ord) JOIN river_job j ON j.id = u.job_id), '[]')::text
 FROM outbox_event e ORDER BY e.id`)
+}
+
+// queryStrings returns the text column of every row sql returns.
+func queryStrings(t *testing.T, ctx context.Context, q interface {
+	Query(context.Context, string, ...any) (pgx.Rows, error)
+}, sql string, args ...any) []string {
+	t.Helper()
+	rows, err := q.Query(ctx, sql, args...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -107,6 +115,39 @@ FROM outbox_event e ORDER BY e.id`)
 		t.Fatal(err)
 	}
 	return got
+}
+
+// fastFixture is a schema with a Handoff of fastTestRoutes, for the tests
+// of which form of the claim a batch takes.
+type fastFixture struct {
+	t   *testing.T
+	ctx context.Context
+	s   *pgtest.Schema
+	h   *Handoff
+}
+
+func newFastFixture(t *testing.T) *fastFixture {
+	s := pgtest.NewSchema(t, nil)
+	return &fastFixture{t: t, ctx: pgtest.Context(t, 60*time.Second), s: s,
+		h: &Handoff{Pool: s.Pool, Routes: fastTestRoutes(t), MaxRetries: 3}}
+}
+
+// publish inserts an audit event, with ordering key okey (nil for none).
+func (f *fastFixture) publish(okey any) {
+	f.t.Helper()
+	if _, err := f.s.Pool.Exec(f.ctx, `INSERT INTO outbox_event (event_type, payload, ordering_key) VALUES ('audit.user.login', '{}', $1)`, okey); err != nil {
+		f.t.Fatal(err)
+	}
+}
+
+// batch runs one Batch and fails the test on its error.
+func (f *fastFixture) batch(what string) Result {
+	f.t.Helper()
+	res, err := f.h.Batch(f.ctx, 100)
+	if err != nil {
+		f.t.Fatalf("%s: %v", what, err)
+	}
+	return res
 }
 
 // TestFastHandoffMatchesGoHandoff hands the same events off twice, in two
@@ -231,21 +272,11 @@ func TestFastHandoffChecksItsCounts(t *testing.T) {
 // batch transaction in the same call and sends the next batch there too.
 func TestOneRoundTripAfterWholeBatches(t *testing.T) {
 	t.Parallel()
-	s := pgtest.NewSchema(t, nil)
-	ctx := pgtest.Context(t, 60*time.Second)
-	h := &Handoff{Pool: s.Pool, Routes: fastTestRoutes(t), MaxRetries: 3}
-	publish := func(okey any) {
-		t.Helper()
-		if _, err := s.Pool.Exec(ctx, `INSERT INTO outbox_event (event_type, payload, ordering_key) VALUES ('audit.user.login', '{}', $1)`, okey); err != nil {
-			t.Fatal(err)
-		}
-	}
+	f := newFastFixture(t)
+	s, ctx, h, publish := f.s, f.ctx, f.h, f.publish
 	step := func(what string, wantDone, wantOne int, wantOneTripAfter bool) {
 		t.Helper()
-		res, err := h.Batch(ctx, 100)
-		if err != nil {
-			t.Fatalf("%s: %v", what, err)
-		}
+		res := f.batch(what)
 		if res.Done != wantDone || res.OneStatement != wantOne || h.oneTrip.Load() != wantOneTripAfter {
 			t.Fatalf("%s: %d done, %d by the statement, one round trip next %v; want %d, %d, %v",
 				what, res.Done, res.OneStatement, h.oneTrip.Load(), wantDone, wantOne, wantOneTripAfter)
@@ -387,23 +418,9 @@ INSERT INTO outbox_event (event_type, payload) VALUES ('audit.user.login', '{}')
 // routing, and that the statement comes back after them.
 func TestPlainClaimAfterBatchesOfKeyedEvents(t *testing.T) {
 	t.Parallel()
-	s := pgtest.NewSchema(t, nil)
-	ctx := pgtest.Context(t, 60*time.Second)
-	h := &Handoff{Pool: s.Pool, Routes: fastTestRoutes(t), MaxRetries: 3}
-	publish := func(okey any) {
-		t.Helper()
-		if _, err := s.Pool.Exec(ctx, `INSERT INTO outbox_event (event_type, payload, ordering_key) VALUES ('audit.user.login', '{}', $1)`, okey); err != nil {
-			t.Fatal(err)
-		}
-	}
-	batch := func() Result {
-		t.Helper()
-		res, err := h.Batch(ctx, 100)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return res
-	}
+	f := newFastFixture(t)
+	h, publish := f.h, f.publish
+	batch := func() Result { t.Helper(); return f.batch("batch") }
 	publish("k1")
 	if res := batch(); res.Done != 1 || res.OneStatement != 0 || h.plainLeft.Load() != plainBatches {
 		t.Fatalf("keyed batch: %+v, plain batches left %d; want 1 done by the Go handoff, %d left", res, h.plainLeft.Load(), plainBatches)

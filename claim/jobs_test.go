@@ -67,15 +67,7 @@ func TestDirectInsertMatchesRiver(t *testing.T) {
 	// the handoff's are compared, with the transaction's start.
 	read := func(tx pgx.Tx, jobIDs []int64) []string {
 		t.Helper()
-		rows, err := tx.Query(ctx, `SELECT (`+columns+`)::text FROM river_job j WHERE id = ANY($1) ORDER BY id`, jobIDs)
-		if err != nil {
-			t.Fatal(err)
-		}
-		got, err := pgx.CollectRows(rows, pgx.RowTo[string])
-		if err != nil {
-			t.Fatal(err)
-		}
-		return got
+		return queryStrings(t, ctx, tx, `SELECT (`+columns+`)::text FROM river_job j WHERE id = ANY($1) ORDER BY id`, jobIDs)
 	}
 
 	// River's rows, rolled back after reading: the ordering trigger queues

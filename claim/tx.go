@@ -34,7 +34,7 @@ func beginAndClaim(ctx context.Context, conn *pgx.Conn, setup string, scan pgx.R
 	b.Queue(sql, args...)
 	br := conn.SendBatch(ctx, b)
 	tx := br.Tx()
-	events, err := readClaim(br, scan)
+	events, err := readClaim(br, 2, scan)
 	if closeErr := br.Close(); err == nil {
 		err = closeErr
 	}
@@ -47,10 +47,11 @@ func beginAndClaim(ctx context.Context, conn *pgx.Conn, setup string, scan pgx.R
 	return tx, events, nil
 }
 
-// readClaim reads the results of BEGIN, the setup statement and the claim,
-// whose rows scan reads.
-func readClaim(br pgx.BatchResults, scan pgx.RowToFunc[Event]) ([]Event, error) {
-	for range 2 {
+// readClaim reads the results of the batch's first execs statements (BEGIN
+// and the setup statement, or the setup alone) and of the claim, whose rows
+// scan reads.
+func readClaim(br pgx.BatchResults, execs int, scan pgx.RowToFunc[Event]) ([]Event, error) {
+	for range execs {
 		if _, err := br.Exec(); err != nil {
 			return nil, err
 		}
