@@ -28,17 +28,27 @@ const (
 
 // LatencyResult is one mode of the latency scenario.
 type LatencyResult struct {
-	Mode      string        `json:"mode"`
-	Rate      int           `json:"rate"`
-	Duration  string        `json:"duration"`
-	Events    int           `json:"events"`
-	Published int           `json:"published"`
-	Worked    int           `json:"worked"`
-	Handoff   *Summary      `json:"handoff,omitempty"`
-	EndToEnd  *Summary      `json:"end_to_end"`
-	Commit    *Summary      `json:"producer_commit"`
-	Clamped   int           `json:"clamped_negative"`
-	Stats     *dispatchStat `json:"dispatcher,omitempty"`
+	Mode     string `json:"mode"`
+	Rate     int    `json:"rate"`
+	Duration string `json:"duration"`
+	// Events is the number of events measured: those due after the
+	// warmup. Published counts the warmup's too.
+	Events    int `json:"events"`
+	Published int `json:"published"`
+	// Warmup is how long the run was offered the rate before the events
+	// it measures (loadSpec.warmup), and WarmupEvents how many it
+	// published meanwhile; WarmupEndToEnd is their end to end time, kept
+	// apart: a cold start (new sessions, first plans, cold caches), not
+	// the steady state the percentiles above describe.
+	Warmup         string        `json:"warmup,omitempty"`
+	WarmupEvents   int           `json:"warmup_events,omitempty"`
+	WarmupEndToEnd *Summary      `json:"warmup_end_to_end,omitempty"`
+	Worked         int           `json:"worked"`
+	Handoff        *Summary      `json:"handoff,omitempty"`
+	EndToEnd       *Summary      `json:"end_to_end"`
+	Commit         *Summary      `json:"producer_commit"`
+	Clamped        int           `json:"clamped_negative"`
+	Stats          *dispatchStat `json:"dispatcher,omitempty"`
 	// Achieved is Published over the time the producers took, events/s.
 	Achieved float64 `json:"achieved_rate"`
 	// NotSent counts the events whose transaction had not begun by the
@@ -58,7 +68,7 @@ type LatencyResult struct {
 	// Waits are the pg_stat_activity samples of each role's active
 	// backends (producers, dispatcher, workers) while the events flowed.
 	Waits map[string][]string `json:"pg_wait_events,omitempty"`
-	// CPU is the CPU time per published event, from the producers' start
+	// CPU is the CPU time per measured event, from the warmup's end
 	// to the last job's start (rates scenario).
 	CPU *CPUCost `json:"cpu,omitempty"`
 	// GINCleanPages counts the pending-list pages of River's GIN indexes
@@ -142,7 +152,7 @@ func runLatency(ctx context.Context, e *env, o *Options) ([]LatencyResult, error
 		schema := map[string]string{modeNotify: "lat_notify", modePoll: "lat_poll", modeRiverDirect: "lat_river", modeFloor: "lat_floor"}[mode]
 		r, err := latencyMode(ctx, e, loadSpec{
 			mode: mode, rate: o.Rate, duration: o.Duration, schema: schema,
-			producers: 8, drainLimit: 30 * time.Second,
+			producers: 8, drainLimit: 30 * time.Second, warmup: o.Warmup,
 		})
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", mode, err)
@@ -170,6 +180,12 @@ type loadSpec struct {
 	// cutoff, when positive: events whose transaction has not begun this
 	// long after the start are not sent (counted in NotSent).
 	cutoff time.Duration
+	// warmup: the rate is offered this long before the events measured
+	// (their due times start after it); the warmup's events are handed
+	// off and worked like the others but kept out of every percentile,
+	// the attribution and the CPU per event. Every mode of a scenario
+	// gets the same.
+	warmup time.Duration
 	// sample: run the dispatcher on its own pool and sample the
 	// producers', dispatcher's and workers' backends in pg_stat_activity
 	// while the events flow (LatencyResult.Waits).
@@ -316,7 +332,11 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (_ LatencyResult, r
 	// previous commits took; a few goroutines run the transactions.
 	total := int(float64(spec.rate) * spec.duration.Seconds())
 	res.Events = total
-	due := make(chan time.Time, total)
+	warmN := int(float64(spec.rate) * spec.warmup.Seconds())
+	if warmN > 0 {
+		res.Warmup = spec.warmup.String()
+	}
+	due := make(chan time.Time, warmN+total)
 	var (
 		wg         sync.WaitGroup
 		seq        atomic.Int64
@@ -327,6 +347,8 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (_ LatencyResult, r
 		commitMu   sync.Mutex
 		lastCommit time.Time
 		notSent    atomic.Int64
+		// warm holds the ids of the events due within the warmup.
+		warm = map[int64]bool{}
 	)
 	payload := json.RawMessage(`{"order_id":12345,"amount_cents":4200,"currency":"EUR","note":"bench"}`)
 	var sampler *roleSampler
@@ -352,13 +374,15 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (_ LatencyResult, r
 	// took (open loop).
 	interval := time.Second / time.Duration(spec.rate)
 	start := time.Now()
+	// measured is when the events measured are due from: the warmup's end.
+	measured := start.Add(time.Duration(warmN) * interval)
 	for range max(1, spec.producers) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for at := range due {
 				begin := time.Now()
-				if spec.cutoff > 0 && begin.Sub(start) > spec.cutoff {
+				if spec.cutoff > 0 && begin.Sub(measured) > spec.cutoff {
 					notSent.Add(1)
 					continue
 				}
@@ -371,8 +395,12 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (_ LatencyResult, r
 				c.mark(c.commit, now, id)
 				published.Add(1)
 				commitMu.Lock()
-				record(commitH, now.Sub(begin))
-				record(lagH, begin.Sub(at))
+				if at.Before(measured) {
+					warm[id] = true
+				} else {
+					record(commitH, now.Sub(begin))
+					record(lagH, begin.Sub(at))
+				}
 				if now.After(lastCommit) {
 					lastCommit = now
 				}
@@ -380,7 +408,10 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (_ LatencyResult, r
 			}
 		}()
 	}
-	for i := range total {
+	for i := range warmN + total {
+		if i == warmN && meter != nil {
+			cpu0 = meter.read()
+		}
 		at := start.Add(time.Duration(i) * interval)
 		if wait := time.Until(at); wait > 0 {
 			select {
@@ -403,7 +434,8 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (_ LatencyResult, r
 	if res.Published == 0 {
 		return res, fmt.Errorf("no event was published")
 	}
-	res.Achieved = float64(res.Published) / max(lastCommit.Sub(start), spec.duration).Seconds()
+	res.Achieved = float64(res.Published) / max(lastCommit.Sub(start), spec.warmup+spec.duration).Seconds()
+	res.WarmupEvents = len(warm)
 
 	// Wait for the workers to start every job (poll mode needs up to a
 	// poll interval more).
@@ -413,7 +445,7 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (_ LatencyResult, r
 	}
 	res.Worked = int(c.worked.Load())
 	if meter != nil {
-		res.CPU = meter.cost(cpu0, meter.read(), res.Published)
+		res.CPU = meter.cost(cpu0, meter.read(), res.Published-res.WarmupEvents)
 	}
 	if sampler != nil {
 		res.Waits = sampler.stop()
@@ -439,7 +471,17 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (_ LatencyResult, r
 
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	hh, eh := newHist(), newHist()
+	hh, eh, wh := newHist(), newHist(), newHist()
+	for id := range warm {
+		if tw, ok := c.work[id]; ok {
+			record(wh, tw.Sub(c.commit[id]))
+		}
+		// Out of the percentiles below and of the attribution.
+		delete(c.commit, id)
+	}
+	if res.WarmupEndToEnd = summarize(wh); res.WarmupEndToEnd != nil {
+		res.WarmupEndToEnd.CDF = nil
+	}
 	for id, tc := range c.commit {
 		if th, ok := c.handoff[id]; ok {
 			if th.Before(tc) {

@@ -54,6 +54,9 @@ type Options struct {
 	Rates         []int
 	RatesDuration time.Duration
 	Peers         []string
+	// Warmup is how long each run of the latency and rates scenarios is
+	// offered its rate before the events it measures (loadSpec.warmup).
+	Warmup time.Duration
 	// SoakRate, SoakDuration and SoakInterval are the soak scenario's
 	// offered rate, length and sampling interval.
 	SoakRate     int
@@ -87,6 +90,7 @@ func run() int {
 	flag.StringVar(&scenarios, "scenarios", "latency,rates,drain,producer,scheduled", "comma-separated scenarios to run: latency, rates (latency versus rate), drain (includes resources), producer, scheduled (claim of due events beside a backlog due tomorrow), ordering (per-key ordering: drains with and without keys, a hot key; not in the default list), soak (a long run through outboxd at -soak-rate; not run by default)")
 	flag.StringVar(&rates, "rates", "200,500,1000,2000,4000,8000", "rates: offered events per second (quick mode: 200,1000)")
 	flag.DurationVar(&o.RatesDuration, "rates-duration", 10*time.Second, "rates: duration per rate and mode (quick mode: 2s)")
+	flag.DurationVar(&o.Warmup, "warmup", time.Second, "latency, rates: how long each run is offered its rate before the events it measures; the warmup's events (a cold start: new sessions, first plans) are kept out of the percentiles and reported apart")
 	flag.StringVar(&peers, "peers", "", "rates: peer job queues to run beside the outbox: graphile (Graphile Worker on Node; skipped with a note when Node or the package cannot be installed)")
 	flag.IntVar(&o.SoakRate, "soak-rate", 1000, "soak: offered events per second (not in the default scenarios: -scenarios soak)")
 	flag.DurationVar(&o.SoakDuration, "soak-duration", 2*time.Minute, "soak: how long the producers run")
@@ -177,7 +181,7 @@ func run() int {
 		fmt.Fprintln(os.Stderr, "bench: -clients:", err)
 		return 2
 	}
-	if o.Rate < 1 || o.Duration <= 0 || o.RatesDuration <= 0 || o.N < 1 || o.ProducerDuration <= 0 || o.ProducerReps < 1 ||
+	if o.Rate < 1 || o.Duration <= 0 || o.RatesDuration <= 0 || o.Warmup < 0 || o.N < 1 || o.ProducerDuration <= 0 || o.ProducerReps < 1 ||
 		o.SoakRate < 1 || o.SoakDuration <= 0 || o.SoakInterval <= 0 {
 		fmt.Fprintln(os.Stderr, "bench: -rate, -duration, -rates-duration, -n, -producer-duration, -soak-rate, -soak-duration and -soak-interval must be positive")
 		return 2

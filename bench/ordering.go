@@ -225,6 +225,18 @@ func orderingRun(ctx context.Context, e *env, schema string, n, keys int, noTrig
 		defer cancel()
 		_ = rc.Stop(sctx)
 	}()
+	// outboxd merges River's GIN pending lists beside its dispatcher
+	// (OUTBOX_RIVER_GIN_CLEAN_INTERVAL_MS), as the latency scenario's
+	// outbox modes do: without it a statement that writes river_job
+	// stalls for tens of milliseconds whenever a list fills.
+	gc, err := outboxriver.NewGINCleaner(p, outboxriver.GINCleanerConfig{})
+	if err != nil {
+		return r, nil, err
+	}
+	if err := gc.Start(ctx); err != nil {
+		return r, nil, err
+	}
+	defer func() { _ = gc.Stop(context.WithoutCancel(ctx)) }()
 	d, err := dispatcher.New(p, dispatcher.Config{Routes: e.routes, PollInterval: time.Second, Logger: e.quiet})
 	if err != nil {
 		return r, nil, err

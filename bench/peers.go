@@ -70,6 +70,8 @@ type graphileOut struct {
 	NotSent      int     `json:"not_sent"`
 	DrainSeconds float64 `json:"drain_seconds"`
 	Clamped      int     `json:"clamped_negative"`
+	WarmupEvents int     `json:"warmup_events"`
+	WarmupE2E    []int64 `json:"warmup_end_to_end_us"`
 	EndToEnd     []int64 `json:"end_to_end_us"`
 	Fetch        []int64 `json:"commit_to_fetch_us"`
 	Work         []int64 `json:"fetch_to_work_us"`
@@ -78,16 +80,18 @@ type graphileOut struct {
 }
 
 // run offers rate to Graphile Worker in its own schema of the bench
-// database for d, like latencyMode does to the outbox's modes.
-func (g *graphilePeer) run(ctx context.Context, e *env, schema string, rate int, d, drainWait time.Duration) (LatencyResult, error) {
+// database for warmup and then d, like latencyMode does to the outbox's
+// modes (the warmup's events are kept out of the percentiles).
+func (g *graphilePeer) run(ctx context.Context, e *env, schema string, rate int, d, warmup, drainWait time.Duration) (LatencyResult, error) {
 	res := LatencyResult{Mode: modeGraphile, Rate: rate, Duration: d.String()}
-	rctx, cancel := context.WithTimeout(ctx, d+drainWait+2*time.Minute)
+	rctx, cancel := context.WithTimeout(ctx, warmup+d+drainWait+2*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(rctx, g.node, "bench.js",
 		"--url", withParams(e.dbURL, map[string]string{"application_name": "bench-graphile"}),
 		"--schema", schema,
 		"--rate", strconv.Itoa(rate),
 		"--duration-ms", strconv.FormatInt(d.Milliseconds(), 10),
+		"--warmup-ms", strconv.FormatInt(warmup.Milliseconds(), 10),
 		"--producers", strconv.Itoa(rateProducers(rate)),
 		"--concurrency", strconv.Itoa(graphileConcurrency),
 		"--drain-ms", strconv.FormatInt(drainWait.Milliseconds(), 10),
@@ -112,6 +116,12 @@ func (g *graphilePeer) run(ctx context.Context, e *env, schema string, rate int,
 	res.Achieved, res.DrainSeconds, res.Clamped, res.NotSent = out.Achieved, out.DrainSeconds, out.Clamped, out.NotSent
 	res.Peer = fmt.Sprintf("graphile-worker %s on Node %s, concurrency %d", out.Version, out.Node, graphileConcurrency)
 	res.EndToEnd = summarizeUS(out.EndToEnd)
+	if out.WarmupEvents > 0 {
+		res.Warmup, res.WarmupEvents = warmup.String(), out.WarmupEvents
+		if res.WarmupEndToEnd = summarizeUS(out.WarmupE2E); res.WarmupEndToEnd != nil {
+			res.WarmupEndToEnd.CDF = nil
+		}
+	}
 	res.Commit = summarizeUS(out.Tx)
 	res.ProducerLag = summarizeUS(out.Lag)
 	for _, s := range []struct {

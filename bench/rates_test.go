@@ -103,7 +103,9 @@ func TestRatesReport(t *testing.T) {
 	r := &RateResults{Rates: []int{200, 1000, 4000}, Duration: "2s", KeepUpRule: keepUpRule, Runs: []RateRun{
 		{LatencyResult: LatencyResult{Mode: modeNotify, Rate: 200, Achieved: 200, Handoff: sum(0.8, 3), EndToEnd: sum(1.4, 4),
 			Waits: map[string][]string{"workers": {"IO:WALSync 20%"}, "producers": {"CPU 50%"}}}, KeptUp: true},
-		{LatencyResult: LatencyResult{Mode: modeRiverDirect, Rate: 200, Achieved: 200, EndToEnd: sum(0.6, 2)}, KeptUp: true},
+		{LatencyResult: LatencyResult{Mode: modeRiverDirect, Rate: 200, Achieved: 200, EndToEnd: sum(0.6, 2),
+			Warmup: "1s", WarmupEvents: 200, WarmupEndToEnd: &Summary{Count: 200, P50: 0.9, Max: 30}}, KeptUp: true},
+		{LatencyResult: LatencyResult{Mode: modeFloor, Rate: 200, Achieved: 200, Handoff: sum(0.5, 1), EndToEnd: sum(1.1, 3)}, KeptUp: true},
 		{LatencyResult: LatencyResult{Mode: modeNotify, Rate: 1000, Achieved: 700, NotSent: 12, DrainSeconds: -1, Handoff: sum(3, 90), EndToEnd: sum(4, 120),
 			Segments: []Segment{{Name: segClaim, P50: 1, P99: 5}}}},
 		{LatencyResult: LatencyResult{Mode: modeRiverDirect, Rate: 1000, Achieved: 1000, EndToEnd: sum(1.2, 8)}, KeptUp: true},
@@ -123,6 +125,9 @@ func TestRatesReport(t *testing.T) {
 		"| 4000 | notify | | | | not run: did not keep up at 1000 ev/s | | |",
 		"| 1000 | notify | 1.00 / 5.00 | – | – | – |",
 		"- 200 ev/s, notify: producers: CPU 50%; workers: IO:WALSync 20%",
+		"| 200 | relay-floor | 200 |",
+		"Percentiles leave out each run's first 1s",
+		"river-direct at 200 ev/s: 200 events, p50 0.90, max 30.00",
 		keepUpRule,
 	} {
 		if !strings.Contains(md, want) {
@@ -144,6 +149,16 @@ func TestRatesReport(t *testing.T) {
 		g, ok := goals[name]
 		if !ok || g.Pass != want {
 			t.Errorf("goal %q: %+v (present %v), want pass %v", name, g, ok, want)
+		}
+	}
+	// The floor's figure beside the outbox's, where the floor ran.
+	for name, want := range map[string]string{
+		"rates, 200 ev/s: end-to-end p99 vs river-direct":  "2.0× (4.00 vs 2.00 ms); relay-floor 1.5×",
+		"rates, 200 ev/s: end-to-end p50 vs river-direct":  "+0.80 ms (1.40 vs 0.60 ms); relay-floor +0.50 ms",
+		"rates, 1000 ev/s: end-to-end p99 vs river-direct": "15.0× (120.00 vs 8.00 ms)",
+	} {
+		if got := goals[name].Measured; got != want {
+			t.Errorf("goal %q measured %q, want %q", name, got, want)
 		}
 	}
 	path := filepath.Join(t.TempDir(), "latency_vs_rate.png")

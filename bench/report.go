@@ -150,6 +150,9 @@ func markdown(r *Results) string {
 			row(l.Mode, "producer tx", l.Commit)
 		}
 		b.WriteString("\n")
+		if s := warmupLine(r.Latency, false); s != "" {
+			b.WriteString(s + "\n\n")
+		}
 		if s := floorLine(r); s != "" {
 			b.WriteString(s + "\n\n")
 		}
@@ -255,9 +258,31 @@ func firstWords(s string, n int) string {
 }
 
 // ratesMarkdown writes the latency-versus-rate table and its attribution.
+// warmupLine says what the percentiles leave out: each run's warmup, and
+// the warmup's own end-to-end p50 and max per run ("" without a warmup).
+func warmupLine(runs []LatencyResult, withRate bool) string {
+	var parts []string
+	warmup := ""
+	for _, l := range runs {
+		if l.WarmupEvents == 0 || l.WarmupEndToEnd == nil {
+			continue
+		}
+		warmup = l.Warmup
+		label := l.Mode
+		if withRate {
+			label = fmt.Sprintf("%s at %d ev/s", l.Mode, l.Rate)
+		}
+		parts = append(parts, fmt.Sprintf("%s: %d events, p50 %.2f, max %.2f", label, l.WarmupEvents, l.WarmupEndToEnd.P50, l.WarmupEndToEnd.Max))
+	}
+	if len(parts) == 0 {
+		return ""
+	}
+	return fmt.Sprintf("Percentiles leave out each run's first %s (warmup: new sessions, first plans, cold caches; the events are handed off and worked like the others). The warmup's end to end, ms: %s.", warmup, strings.Join(parts, "; "))
+}
+
 func ratesMarkdown(b *strings.Builder, r *RateResults) {
 	fmt.Fprintf(b, "## Latency versus offered rate, %s per rate and mode (ms)\n\n", r.Duration)
-	fmt.Fprintf(b, "Kept up: %s. Latencies count from the producer's commit; a producer that lags its schedule is shown by its lag p99. CPU: milliseconds of CPU per published event, of the bench process (producers, dispatcher, River workers, the sampling) + the Postgres server's processes, from the first event to the last job's start.\n\n", r.KeepUpRule)
+	fmt.Fprintf(b, "Kept up: %s. Latencies count from the producer's commit; a producer that lags its schedule is shown by its lag p99. CPU: milliseconds of CPU per measured event, of the bench process (producers, dispatcher, River workers, the sampling) + the Postgres server's processes, from the warmup's end to the last job's start.\n\n", r.KeepUpRule)
 	b.WriteString("| rate (ev/s) | mode | achieved ev/s | producer lag p99 | drain s | kept up | handoff p50 / p99 / p99.9 | end to end p50 / p99 / p99.9 | CPU ms/event bench + server |\n|--:|---|--:|--:|--:|---|--:|--:|--:|\n")
 	trio := func(s *Summary) string {
 		if s == nil {
@@ -289,6 +314,15 @@ func ratesMarkdown(b *strings.Builder, r *RateResults) {
 		fmt.Fprintf(b, "| %d | %s | %s | %s | %s | %s | %s | %s | %s |\n", run.Rate, run.Mode, achieved, lag, drain, kept, trio(run.Handoff), trio(run.EndToEnd), run.CPU)
 	}
 	b.WriteString("\n")
+	var runs []LatencyResult
+	for _, run := range r.Runs {
+		if run.Skipped == "" {
+			runs = append(runs, run.LatencyResult)
+		}
+	}
+	if s := warmupLine(runs, true); s != "" {
+		b.WriteString(s + "\n\n")
+	}
 	for _, n := range r.Notes {
 		fmt.Fprintf(b, "- %s\n", n)
 	}

@@ -38,6 +38,9 @@ function parseArgs(argv) {
     schema: out.schema,
     rate: Number(out.rate),
     durationMs: Number(out["duration-ms"]),
+    // The rate is offered this long before the events measured; the
+    // warmup's events are kept out of the percentiles (bench/latency.go).
+    warmupMs: Number(out["warmup-ms"] || 0),
     producers: Number(out.producers || 8),
     concurrency: Number(out.concurrency || 16),
     drainMs: Number(out["drain-ms"] || 6000),
@@ -56,7 +59,8 @@ async function main() {
   const quiet = new Logger(() => (level, message) => {
     if (level === "error") process.stderr.write(`graphile-worker: ${message}\n`);
   });
-  const total = Math.floor((o.rate * o.durationMs) / 1000);
+  const warmN = Math.floor((o.rate * o.warmupMs) / 1000);
+  const total = warmN + Math.floor((o.rate * o.durationMs) / 1000);
   const commit = new Float64Array(total).fill(NaN); // performance.now()
   const commitWall = new Float64Array(total).fill(NaN);
   const work = new Float64Array(total).fill(NaN);
@@ -112,7 +116,7 @@ async function main() {
       for (;;) {
         const i = next++;
         if (i >= total) return;
-        if (o.cutoffMs > 0 && performance.now() - start > o.cutoffMs) {
+        if (o.cutoffMs > 0 && performance.now() - start - o.warmupMs > o.cutoffMs) {
           notSent++;
           continue;
         }
@@ -135,8 +139,10 @@ async function main() {
         commit[i] = now;
         commitWall[i] = wallNow();
         published++;
-        txMs.push(now - begin);
-        lagMs.push(begin - at);
+        if (i >= warmN) {
+          txMs.push(now - begin);
+          lagMs.push(begin - at);
+        }
         if (now > lastCommit) lastCommit = now;
       }
     };
@@ -148,6 +154,7 @@ async function main() {
     const e2e = [];
     const fetch = [];
     const toWork = [];
+    const warmE2e = [];
     let clamped = 0;
     const seg = (arr, d) => {
       if (Number.isNaN(d)) return;
@@ -156,16 +163,22 @@ async function main() {
     };
     for (let i = 0; i < total; i++) {
       if (Number.isNaN(commit[i]) || Number.isNaN(work[i])) continue;
+      if (i < warmN) {
+        warmE2e.push(us(work[i] - commit[i]));
+        continue;
+      }
       seg(e2e, work[i] - commit[i]);
       seg(fetch, locked[i] - commitWall[i]);
       // locked_at → task start: both on the wall clock.
       seg(toWork, work[i] - commit[i] + commitWall[i] - locked[i]);
     }
-    const elapsed = Math.max(lastCommit - start, o.durationMs);
+    const elapsed = Math.max(lastCommit - start, o.warmupMs + o.durationMs);
     const result = {
       version: require("graphile-worker/package.json").version,
       node: process.version,
-      events: total,
+      events: total - warmN,
+      warmup_events: warmN,
+      warmup_end_to_end_us: warmE2e,
       published,
       not_sent: notSent,
       worked,
