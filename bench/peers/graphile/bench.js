@@ -193,7 +193,13 @@ async function main() {
       producer_tx_us: txMs.map(us),
       producer_lag_us: lagMs.map(us),
     };
-    process.stdout.write(JSON.stringify(result) + "\n");
+    // Wait for the write to reach the pipe: process.exit right after a
+    // write to a pipe drops what was not written yet (tens of kilobytes
+    // of per-event times at 500 events/s), and the bench then reads a
+    // truncated or empty result.
+    await new Promise((resolve, reject) =>
+      process.stdout.write(JSON.stringify(result) + "\n", (err) => (err ? reject(err) : resolve())),
+    );
   } finally {
     await runner.stop().catch(() => {});
     await pool.end().catch(() => {});
