@@ -42,11 +42,11 @@ lint: ## gofmt, go vet and golangci-lint (.golangci.yml)
 BENCH_PG ?= throwaway
 BENCH_ENV = $(if $(filter existing,$(BENCH_PG)),,OUTBOX_PG_THROWAWAY=1 OUTBOX_PG_PROFILE=production)
 
-bench: ## the full benchmark suite (about eight minutes) on a production-like throwaway Postgres: table on stdout, JSON and plots in bench/results/
+bench: ## the full benchmark suite (about twelve minutes) on a production-like throwaway Postgres: table on stdout, JSON and plots in bench/results/
 	env $(BENCH_ENV) $(WITH_PG) $(GO) -C bench run . $(BENCHFLAGS)
 
 .PHONY: bench-quick
-bench-quick: ## the benchmark suite in quick mode (about a minute and a half, CI: keeps it working, asserts no figures)
+bench-quick: ## the benchmark suite in quick mode (about two minutes, CI: keeps it working, asserts no figures)
 	$(GO) -C bench test -count=1 ./...
 	env $(BENCH_ENV) $(WITH_PG) $(GO) -C bench run . -quick $(BENCHFLAGS)
 

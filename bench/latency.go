@@ -367,8 +367,8 @@ func latencyMode(ctx context.Context, e *env, spec loadSpec) (_ LatencyResult, r
 		cpu0  cpuReading
 	)
 	if spec.sample {
+		// Read first when the warmup ends (the loop below).
 		meter = newCPUMeter(ctx, e.admin)
-		cpu0 = meter.read()
 	}
 	// Event i is due at start + i/rate, whatever the previous commits
 	// took (open loop).
