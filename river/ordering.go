@@ -26,11 +26,12 @@ import (
 // completes an ordered job (one whose metadata carries
 // MetadataOrderingKey) as soon as its worker returns nil, instead of
 // leaving it to River's batch completer, which writes completions every 50
-// to 250 ms (see orderedCompletion). The ordering trigger of migration 011
-// runs in the completing transaction (one per group of jobs,
-// outbox_ordering_complete of migration 012): it releases the next job of
-// the key and sends River's insert notification for its queue, so the
-// next job starts within milliseconds of the previous one's end.
+// to 250 ms (see orderedCompletion). The completing transaction (one per
+// group of jobs, outbox_ordering_complete of migration 012) releases the
+// next job of each key and sends River's insert notification for its
+// queue, so the next job starts within milliseconds of the previous one's
+// end: for one job through the ordering trigger of migration 011, for a
+// group with a few statements for the whole group (migration 017).
 //
 // The order itself does not depend on it: without this middleware the
 // jobs of a key still run one at a time and in order, only with River's

@@ -36,9 +36,22 @@ func orderedJob(t *testing.T, ctx context.Context, q interface {
 	return id
 }
 
-// completeJob makes job id run and then completes it, as River's executor
-// and completer do, with the completion under a lock_timeout of wait.
-func completeJob(ctx context.Context, pool *pgxpool.Pool, id int64, wait time.Duration) error {
+// completers are the two ways an ordered job is completed: River's own
+// completion statement (its completer, or a worker without outboxriver's
+// middleware), which fires the settled trigger, and
+// outbox_ordering_complete (the middleware's), which releases the next job
+// itself when it completes more than one job (migration 017).
+var completers = []struct {
+	name string
+	sql  string
+}{
+	{"river", `UPDATE river_job SET state = 'completed', finalized_at = now() WHERE id = $1 AND state = 'running'`},
+	{"function", `SELECT outbox_ordering_complete(ARRAY[$1::bigint, $2::bigint])`},
+}
+
+// completeJob makes job id run and then completes it with the completer's
+// statement, under a lock_timeout of wait.
+func completeJob(ctx context.Context, pool *pgxpool.Pool, completer string, id int64, wait time.Duration) error {
 	if _, err := pool.Exec(ctx, `UPDATE river_job SET state = 'running', attempt = 1, attempted_at = now() WHERE id = $1 AND state = 'available'`, id); err != nil {
 		return err
 	}
@@ -46,7 +59,23 @@ func completeJob(ctx context.Context, pool *pgxpool.Pool, id int64, wait time.Du
 		if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL lock_timeout = '%dms'`, wait.Milliseconds())); err != nil {
 			return err
 		}
-		tag, err := tx.Exec(ctx, `UPDATE river_job SET state = 'completed', finalized_at = now() WHERE id = $1 AND state = 'running'`, id)
+		if completer == "function" {
+			// With a job without a key beside it: a group of one takes the
+			// trigger path (migration 017), the other completer here.
+			var plain int64
+			if err := tx.QueryRow(ctx, `
+				INSERT INTO river_job (kind, args, queue, max_attempts, state, attempt, attempted_at)
+				VALUES ('plain_step', '{}', 'orders', 3, 'running', 1, now()) RETURNING id`).Scan(&plain); err != nil {
+				return err
+			}
+			var n int
+			err := tx.QueryRow(ctx, completers[1].sql, id, plain).Scan(&n)
+			if err == nil && n != 2 {
+				err = fmt.Errorf("job %d was not running", id)
+			}
+			return err
+		}
+		tag, err := tx.Exec(ctx, completers[0].sql, id)
 		if err == nil && tag.RowsAffected() != 1 {
 			err = fmt.Errorf("job %d was not running", id)
 		}
@@ -82,44 +111,50 @@ func keyHead(t *testing.T, ctx context.Context, pool *pgxpool.Pool, k string) in
 // holds the key's row FOR KEY SHARE, the release FOR NO KEY UPDATE). Under
 // 012 the completion waited for the handoff's commit and ran into its
 // lock_timeout. The job the handoff queued waits its turn and is released
-// by the next completion.
+// by the next completion. Both completers (River's statement and
+// outbox_ordering_complete) behave so.
 func TestReleaseDoesNotWaitForAHandoffQueueingBehind(t *testing.T) {
 	t.Parallel()
-	s := pgtest.NewSchema(t, nil)
-	ctx := pgtest.Context(t, 60*time.Second)
+	for _, c := range completers {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			s := pgtest.NewSchema(t, nil)
+			ctx := pgtest.Context(t, 60*time.Second)
 
-	head := orderedJob(t, ctx, s.Pool, "k", 1, "available")
-	next := orderedJob(t, ctx, s.Pool, "k", 2, "pending")
-	handoff, err := s.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = handoff.Rollback(context.Background()) }()
-	last := orderedJob(t, ctx, handoff, "k", 3, "pending")
+			head := orderedJob(t, ctx, s.Pool, "k", 1, "available")
+			next := orderedJob(t, ctx, s.Pool, "k", 2, "pending")
+			handoff, err := s.Pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = handoff.Rollback(context.Background()) }()
+			last := orderedJob(t, ctx, handoff, "k", 3, "pending")
 
-	if err := completeJob(ctx, s.Pool, head, 3*time.Second); err != nil {
-		t.Fatalf("completing the head while a handoff queues behind it: %v", err)
-	}
-	if got := jobState(t, ctx, s.Pool, next); got != "available" {
-		t.Fatalf("the waiting job is %s after the head completed, want available", got)
-	}
-	if got := keyHead(t, ctx, s.Pool, "k"); got != next {
-		t.Fatalf("the key's head is job %d, want %d", got, next)
-	}
-	if err := handoff.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if got := jobState(t, ctx, s.Pool, last); got != "pending" {
-		t.Fatalf("the handed-off job is %s, want pending behind job %d", got, next)
-	}
-	if err := completeJob(ctx, s.Pool, next, 3*time.Second); err != nil {
-		t.Fatal(err)
-	}
-	if got := jobState(t, ctx, s.Pool, last); got != "available" {
-		t.Fatalf("the last job is %s after its predecessor completed, want available", got)
-	}
-	if got := keyHead(t, ctx, s.Pool, "k"); got != last {
-		t.Fatalf("the key's head is job %d, want %d", got, last)
+			if err := completeJob(ctx, s.Pool, c.name, head, 3*time.Second); err != nil {
+				t.Fatalf("completing the head while a handoff queues behind it: %v", err)
+			}
+			if got := jobState(t, ctx, s.Pool, next); got != "available" {
+				t.Fatalf("the waiting job is %s after the head completed, want available", got)
+			}
+			if got := keyHead(t, ctx, s.Pool, "k"); got != next {
+				t.Fatalf("the key's head is job %d, want %d", got, next)
+			}
+			if err := handoff.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if got := jobState(t, ctx, s.Pool, last); got != "pending" {
+				t.Fatalf("the handed-off job is %s, want pending behind job %d", got, next)
+			}
+			if err := completeJob(ctx, s.Pool, c.name, next, 3*time.Second); err != nil {
+				t.Fatal(err)
+			}
+			if got := jobState(t, ctx, s.Pool, last); got != "available" {
+				t.Fatalf("the last job is %s after its predecessor completed, want available", got)
+			}
+			if got := keyHead(t, ctx, s.Pool, "k"); got != last {
+				t.Fatalf("the key's head is job %d, want %d", got, last)
+			}
+		})
 	}
 }
 
@@ -127,49 +162,54 @@ func TestReleaseDoesNotWaitForAHandoffQueueingBehind(t *testing.T) {
 // with no job in line but a handoff still open has queued one behind it
 // (invisible to the release), the release waits for the handoff and then
 // releases that job; it never deletes the key's row and strands the job
-// pending.
+// pending. Both completers behave so.
 func TestReleaseOfAnEmptyLineWaitsForAHandoff(t *testing.T) {
 	t.Parallel()
-	s := pgtest.NewSchema(t, nil)
-	ctx := pgtest.Context(t, 60*time.Second)
+	for _, c := range completers {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			s := pgtest.NewSchema(t, nil)
+			ctx := pgtest.Context(t, 60*time.Second)
 
-	head := orderedJob(t, ctx, s.Pool, "k", 1, "available")
-	handoff, err := s.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = handoff.Rollback(context.Background()) }()
-	var handoffPID int
-	if err := handoff.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&handoffPID); err != nil {
-		t.Fatal(err)
-	}
-	queued := orderedJob(t, ctx, handoff, "k", 2, "pending")
+			head := orderedJob(t, ctx, s.Pool, "k", 1, "available")
+			handoff, err := s.Pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = handoff.Rollback(context.Background()) }()
+			var handoffPID int
+			if err := handoff.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&handoffPID); err != nil {
+				t.Fatal(err)
+			}
+			queued := orderedJob(t, ctx, handoff, "k", 2, "pending")
 
-	done := make(chan error, 1)
-	go func() { done <- completeJob(ctx, s.Pool, head, 30*time.Second) }()
-	pgtest.WaitFor(t, 20*time.Second, "the completion waits for the handoff", func() bool {
-		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM pg_locks l JOIN pg_locks h ON h.transactionid = l.transactionid
-			WHERE NOT l.granted AND l.locktype = 'transactionid' AND h.granted AND h.pid = $1`, handoffPID) == 1
-	})
-	select {
-	case err := <-done:
-		t.Fatalf("the completion returned (%v) before the handoff committed", err)
-	default:
-	}
-	if err := handoff.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if err := <-done; err != nil {
-		t.Fatalf("completing the head: %v", err)
-	}
-	if got := jobState(t, ctx, s.Pool, queued); got != "available" {
-		t.Fatalf("the job the handoff queued is %s after the head completed, want available", got)
-	}
-	if got := keyHead(t, ctx, s.Pool, "k"); got != queued {
-		t.Fatalf("the key's head is job %d, want %d", got, queued)
-	}
-	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_wait`); n != 0 {
-		t.Fatalf("%d jobs left in line, want 0", n)
+			done := make(chan error, 1)
+			go func() { done <- completeJob(ctx, s.Pool, c.name, head, 30*time.Second) }()
+			pgtest.WaitFor(t, 20*time.Second, "the completion waits for the handoff", func() bool {
+				return pgtest.Count(t, s.Pool, `SELECT count(*) FROM pg_locks l JOIN pg_locks h ON h.transactionid = l.transactionid
+					WHERE NOT l.granted AND l.locktype = 'transactionid' AND h.granted AND h.pid = $1`, handoffPID) == 1
+			})
+			select {
+			case err := <-done:
+				t.Fatalf("the completion returned (%v) before the handoff committed", err)
+			default:
+			}
+			if err := handoff.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if err := <-done; err != nil {
+				t.Fatalf("completing the head: %v", err)
+			}
+			if got := jobState(t, ctx, s.Pool, queued); got != "available" {
+				t.Fatalf("the job the handoff queued is %s after the head completed, want available", got)
+			}
+			if got := keyHead(t, ctx, s.Pool, "k"); got != queued {
+				t.Fatalf("the key's head is job %d, want %d", got, queued)
+			}
+			if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_wait`); n != 0 {
+				t.Fatalf("%d jobs left in line, want 0", n)
+			}
+		})
 	}
 }
 
