@@ -75,8 +75,8 @@ func TestOrderedCompletionReleasesAGroup(t *testing.T) {
 	if syncCommit != "off" {
 		t.Errorf("synchronous_commit is %q after the call, want off for the rest of its transaction", syncCommit)
 	}
-	if release != "off" {
-		t.Errorf("outbox.ordering_release is %q after the call, want off: the triggers must see the transaction's other changes", release)
+	if release != "" {
+		t.Errorf("outbox.ordering_release is %q after the call, want it empty: the triggers must see the transaction's other changes", release)
 	}
 	// River's own completion in the same transaction still releases (the
 	// settled trigger fires again).
@@ -155,4 +155,49 @@ func nextNotification(t *testing.T, ctx context.Context, conn *pgx.Conn) string 
 		t.Fatalf("waiting for a notification: %v", err)
 	}
 	return n.Payload
+}
+
+// TestOrderingReleaseSetByHandDisablesNothing: the setting with which
+// outbox_ordering_complete tells the triggers to leave its changes to it
+// (migration 017) counts only when it names the transaction making the
+// change: a session (or a role's or database's settings) that sets it
+// still gets every release from River's own completion.
+func TestOrderingReleaseSetByHandDisablesNothing(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+
+	head := orderedJob(t, ctx, s.Pool, "k", 1, "available")
+	next := orderedJob(t, ctx, s.Pool, "k", 2, "pending")
+	err := pgx.BeginFunc(ctx, s.Pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT set_config('outbox.ordering_release', 'on', true)`); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, `UPDATE river_job SET state = 'running', attempt = 1, attempted_at = now() WHERE id = $1`, head); err != nil {
+			return err
+		}
+		// River UI's retry of the waiting job: the hold trigger keeps it
+		// pending.
+		if _, err := tx.Exec(ctx, `UPDATE river_job SET state = 'available' WHERE id = $1`, next); err != nil {
+			return err
+		}
+		var state string
+		if err := tx.QueryRow(ctx, `SELECT state::text FROM river_job WHERE id = $1`, next).Scan(&state); err != nil {
+			return err
+		}
+		if state != "pending" {
+			t.Errorf("with the setting on by hand, a retry made the waiting job %s, want it held pending", state)
+		}
+		_, err := tx.Exec(ctx, `UPDATE river_job SET state = 'completed', finalized_at = now() WHERE id = $1`, head)
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := jobState(t, ctx, s.Pool, next); got != "available" {
+		t.Fatalf("with the setting on by hand, River's completion of the head left the next job %s, want available", got)
+	}
+	if got := keyHead(t, ctx, s.Pool, "k"); got != next {
+		t.Fatalf("the key's head is job %d, want %d", got, next)
+	}
 }

@@ -3,6 +3,8 @@ package outboxsql_test
 import (
 	"context"
 	"fmt"
+
+	"github.com/jackc/pgx/v5"
 	"testing"
 	"time"
 
@@ -86,5 +88,73 @@ func TestOrderedCompletionUpdatesByPrimaryKey(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestOrderedCompletionPlansHoldAsKeysGrow: outbox_ordering_complete's
+// statements are planned once per session (migration 017), with the
+// statistics of the first call. Made while the key table held two keys,
+// no plan may read the whole table once it holds many: a group of two
+// completions reads a handful of the key index's entries, not thousands.
+// (A semi-join with the key table, planned small, scanned its whole
+// primary key on every call.)
+func TestOrderedCompletionPlansHoldAsKeysGrow(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	conn, err := pgx.Connect(ctx, s.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close(context.Background()) }()
+
+	group := func(keys ...string) []int64 {
+		var heads []int64
+		for i, k := range keys {
+			heads = append(heads, orderedJob(t, ctx, s.Pool, k, int64(2*i+1), "available"))
+			orderedJob(t, ctx, s.Pool, k, int64(2*i+2), "pending")
+		}
+		if _, err := s.Pool.Exec(ctx, `UPDATE river_job SET state = 'running', attempt = 1, attempted_at = now() WHERE id = ANY($1)`, heads); err != nil {
+			t.Fatal(err)
+		}
+		return heads
+	}
+	first := group("a", "b")
+	if _, err := s.Pool.Exec(ctx, `ANALYZE outbox_ordering_key`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Exec(ctx, `SELECT outbox_ordering_complete($1)`, first); err != nil {
+		t.Fatal(err)
+	}
+
+	// Many more keys, no new statistics: the session keeps its plans.
+	if _, err := s.Pool.Exec(ctx, `
+		INSERT INTO river_job (kind, args, queue, max_attempts, metadata)
+		SELECT 'order_step', '{}', 'orders', 3, jsonb_build_object('outbox_ordering_key', 'many-' || g, 'outbox_ordering_position', 1000 + g)
+		FROM generate_series(1, 3000) g`); err != nil {
+		t.Fatal(err)
+	}
+	second := group("c", "d")
+
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	var n int
+	if err := tx.QueryRow(ctx, `SELECT outbox_ordering_complete($1)`, second).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 2 {
+		t.Fatalf("completed %d jobs, want 2", n)
+	}
+	var read, seq int64
+	if err := tx.QueryRow(ctx, `
+		SELECT pg_stat_get_xact_tuples_returned('outbox_ordering_key_pkey'::regclass),
+		       pg_stat_get_xact_numscans('outbox_ordering_key'::regclass)`).Scan(&read, &seq); err != nil {
+		t.Fatal(err)
+	}
+	if read > 50 || seq > 0 {
+		t.Fatalf("completing two heads read %d entries of the key table's primary key and scanned the table %d times, want a handful and none (3,000 keys)", read, seq)
 	}
 }

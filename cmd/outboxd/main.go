@@ -119,6 +119,11 @@ func run() int {
 		logger.Error("cannot start", slog.String("error", dbconn.Redact(err.Error(), cfg.DatabaseURL)))
 		return exitFailure
 	}
+	if w, err := isolationWarning(ctx, pool); err != nil {
+		logger.Warn("cannot read default_transaction_isolation", slog.String("error", err.Error()))
+	} else if w != "" {
+		logger.Warn(w)
+	}
 
 	// Alerts: Sentry when SENTRY_DSN is set (every alert is logged too),
 	// the log otherwise; counted by the metrics on the way.

@@ -28,13 +28,13 @@
 --   job the statements above cost more than the triggers (hot key, 10,000
 --   events: 0.75 against 0.55 ms per call in the server).
 -- - The settled and hold triggers skip the changes made by the group path:
---   their WHEN clauses test the setting outbox.ordering_release, which the
---   function sets for the length of its call (transaction-local, reset
---   before it returns). Every other change of a job's state (River's
---   completer, its executor, River UI, outbox_unpark) fires them as before.
---   A session that sets outbox.ordering_release to on itself would complete
---   ordered jobs without releasing their keys' next jobs: nothing may set
---   it but this function.
+--   their WHEN clauses compare the setting outbox.ordering_release with
+--   the id of the transaction, and the function sets it to that id for the
+--   length of its call (transaction-local, emptied before it returns).
+--   Every other change of a job's state (River's completer, its executor,
+--   River UI, outbox_unpark) fires them as before. A value set by hand, in
+--   a session, a role's or a database's settings, disables nothing: only
+--   the id of the very transaction that makes the change does.
 -- - It is now SECURITY DEFINER: it reads and writes the ordering tables,
 --   on which the worker's role has no rights, as the trigger functions
 --   always did.
@@ -44,7 +44,11 @@
 --   the statistics of its first call: planned while River's table was
 --   nearly empty, it read the whole table for each call ever after
 --   (measured: 1.3 ms per call for a hot key). Every row it touches is
---   found by primary key or by ctid, whatever the statistics.
+--   found by primary key or by ctid, whatever the statistics: River's rows
+--   by `id = ANY(...)`, the key and wait rows by LATERAL lookups with
+--   LIMIT or FOR NO KEY UPDATE, which stay nested loops (a semi-join with
+--   the key table, planned while it held a few keys, scanned its whole
+--   index; enable_seqscan off does not prevent that).
 --
 -- One transaction. Recreating the two triggers takes a SHARE ROW EXCLUSIVE
 -- lock on river_job for a moment.
@@ -57,7 +61,7 @@ CREATE TRIGGER outbox_ordering_hold
     BEFORE UPDATE OF state ON river_job
     FOR EACH ROW WHEN (OLD.state IN ('pending', 'cancelled', 'discarded') AND NEW.state IN ('available', 'scheduled', 'retryable', 'running')
                        AND NEW.metadata ? 'outbox_ordering_key'
-                       AND current_setting('outbox.ordering_release', true) IS DISTINCT FROM 'on')
+                       AND current_setting('outbox.ordering_release', true) IS DISTINCT FROM txid_current_if_assigned()::text)
     EXECUTE FUNCTION outbox_ordering_hold();
 
 DROP TRIGGER outbox_ordering_settled ON river_job;
@@ -66,7 +70,7 @@ CREATE TRIGGER outbox_ordering_settled
     FOR EACH ROW WHEN (OLD.state IS DISTINCT FROM NEW.state
                        AND (NEW.state IN ('completed', 'discarded', 'cancelled') OR OLD.state IN ('discarded', 'cancelled'))
                        AND NEW.metadata ? 'outbox_ordering_key'
-                       AND current_setting('outbox.ordering_release', true) IS DISTINCT FROM 'on')
+                       AND current_setting('outbox.ordering_release', true) IS DISTINCT FROM txid_current_if_assigned()::text)
     EXECUTE FUNCTION outbox_ordering_settled();
 
 -- Its transaction commits without waiting for the WAL flush, as 012's did
@@ -82,6 +86,8 @@ DECLARE
     v_q      text[];
     v_id     bigint[];
     v_queues text[];
+    v_heads  bigint[];
+    v_moved  bigint[];
     v_rest   record;
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
@@ -93,8 +99,9 @@ BEGIN
         GET DIAGNOSTICS v_n = ROW_COUNT;
         RETURN v_n;
     END IF;
-    -- The triggers leave this call's changes to it (017's header).
-    PERFORM set_config('outbox.ordering_release', 'on', true);
+    -- The triggers leave this call's changes to it (017's header): the
+    -- setting names this transaction, which is writing anyway.
+    PERFORM set_config('outbox.ordering_release', txid_current()::text, true);
 
     -- Complete, by primary key only (state::text is no index condition:
     -- 014's header). The ordered ones, in the order given.
@@ -116,7 +123,8 @@ BEGIN
         -- the order given (a nested loop over the arrays). FOR NO KEY
         -- UPDATE, as the settled trigger: a handoff queueing jobs behind a
         -- head (FOR KEY SHARE) does not hold this up.
-        PERFORM 1 FROM unnest(v_t, v_k, v_q, v_id) AS u(t, k, q, id)
+        SELECT array_agg(u.o) INTO v_heads
+        FROM unnest(v_t, v_k, v_q, v_id) WITH ORDINALITY AS u(t, k, q, id, o)
         CROSS JOIN LATERAL (SELECT 1 FROM outbox_ordering_key x
                             WHERE x.tenant_id = u.t AND x.ordering_key = u.k AND x.queue = u.q AND x.head_job_id = u.id
                             FOR NO KEY UPDATE) l;
@@ -127,12 +135,12 @@ BEGIN
         -- transaction has locked, or that only a release of their key,
         -- which it holds, deletes).
         WITH heads AS (
-            SELECT u.t, u.k, u.q, h.kctid FROM unnest(v_t, v_k, v_q, v_id) AS u(t, k, q, id)
+            SELECT u.t, u.k, u.q, u.o, h.kctid FROM unnest(v_t, v_k, v_q, v_id) WITH ORDINALITY AS u(t, k, q, id, o)
             CROSS JOIN LATERAL (SELECT x.ctid AS kctid FROM outbox_ordering_key x
                                 WHERE x.tenant_id = u.t AND x.ordering_key = u.k AND x.queue = u.q AND x.head_job_id = u.id
                                 LIMIT 1) h
         ), firsts AS MATERIALIZED (
-            SELECT h.kctid, w.wctid, w.position, w.job_id, w.event_id FROM heads h
+            SELECT h.o, h.kctid, w.wctid, w.position, w.job_id, w.event_id FROM heads h
             CROSS JOIN LATERAL (SELECT y.ctid AS wctid, y.position, y.job_id, y.event_id FROM outbox_ordering_wait y
                                 WHERE y.tenant_id = h.t AND y.ordering_key = h.k AND y.queue = h.q
                                 ORDER BY y.position, y.job_id LIMIT 1) w
@@ -150,28 +158,30 @@ BEGIN
                 parked_at = NULL, parked_state = NULL
             FROM taken t WHERE x.ctid = t.kctid
         )
-        SELECT array_agg(DISTINCT queue) INTO v_queues FROM released;
+        SELECT (SELECT array_agg(DISTINCT queue) FROM released), (SELECT array_agg(o) FROM taken)
+        INTO v_queues, v_moved;
 
         -- River's insert notification, once per queue: its workers fetch
         -- the released jobs at once.
         PERFORM pg_notify(current_schema() || '.river_insert', json_build_object('queue', q)::text)
         FROM unnest(v_queues) AS q;
 
-        -- The keys whose head is still a job this call completed: their
-        -- line is empty (as far as this snapshot sees) or its first job
-        -- was changed by hand. outbox_ordering_advance takes the careful
-        -- path, in the order given.
+        -- The keys locked above whose head did not move: their line is
+        -- empty (as far as that snapshot saw) or its first job was changed
+        -- by hand. outbox_ordering_advance takes the careful path, in the
+        -- order given. (Taken from the arrays, not from the key table: a
+        -- generic plan of a join with it, made while it was small, read
+        -- the whole table.)
         FOR v_rest IN
-            SELECT u.t, u.k, u.q FROM unnest(v_t, v_k, v_q, v_id) WITH ORDINALITY AS u(t, k, q, id, o)
-            WHERE EXISTS (SELECT 1 FROM outbox_ordering_key x
-                          WHERE x.tenant_id = u.t AND x.ordering_key = u.k AND x.queue = u.q AND x.head_job_id = u.id)
+            SELECT u.t, u.k, u.q FROM unnest(v_t, v_k, v_q) WITH ORDINALITY AS u(t, k, q, o)
+            WHERE u.o = ANY(v_heads) AND NOT (u.o = ANY(coalesce(v_moved, '{}')))
             ORDER BY u.o
         LOOP
             PERFORM outbox_ordering_advance(v_rest.t, v_rest.k, v_rest.q, current_schema()::text);
         END LOOP;
     END IF;
 
-    PERFORM set_config('outbox.ordering_release', 'off', true);
+    PERFORM set_config('outbox.ordering_release', '', true);
     RETURN v_n;
 END
 $$;
