@@ -99,6 +99,9 @@ func TestArmedLockIsTakenAgainAfterARestart(t *testing.T) {
 	// across a wake.
 	first := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome"})[0]
 	pgtest.WaitFor(t, 20*time.Second, "the first event handed off", func() bool { return status(t, s.Pool, first) == "done" })
+	// Idle again, holding the lock: on a loaded machine the dispatcher
+	// can still be between the batch and taking the lock back here.
+	pgtest.WaitFor(t, 20*time.Second, "the dispatcher idle again, holding the wake lock", idle)
 
 	admin := pgtest.Admin(t)
 	ctx := pgtest.Context(t, time.Minute)
