@@ -399,7 +399,11 @@ func (c *Client) Unpark(ctx context.Context, req UnparkRequest) (*UnparkResult, 
 		return nil, err
 	}
 	res := &UnparkResult{Request: req, Keys: []UnparkedKey{}}
-	err := pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
+	// At READ COMMITTED whatever the session's default: a skip whose
+	// release finds the key's line empty waits for the handoffs that hold
+	// the key's row and looks again for the jobs they queued, which only a
+	// READ COMMITTED statement sees (docs/ordering.md, "Limits").
+	err := pgx.BeginTxFunc(ctx, c.pool, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
 		rows, err := tx.Query(ctx, unparkSQL, req.Actor, req.DryRun, req.Key, req.Action,
 			nullIfEmpty(req.Tenant), nullIfEmpty(req.Queue), nullIfEmpty(req.Reason))
 		if err != nil {

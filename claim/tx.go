@@ -29,7 +29,12 @@ func rollback(ctx context.Context, tx pgx.Tx) {
 // rolled back.
 func beginAndClaim(ctx context.Context, conn *pgx.Conn, setup string, scan pgx.RowToFunc[Event], sql string, args ...any) (pgx.Tx, []Event, error) {
 	b := &pgx.Batch{}
-	b.BeginTx(pgx.TxOptions{})
+	// READ COMMITTED whatever the session's default: the ordering trigger
+	// that the batch's River inserts fire locks or makes its key's row,
+	// and at REPEATABLE READ that fails the batch with a serialization
+	// error whenever a release deleted or made the row after the claim's
+	// snapshot (TestHandoffRunsAtReadCommitted).
+	b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	b.Queue(setup)
 	b.Queue(sql, args...)
 	br := conn.SendBatch(ctx, b)

@@ -40,7 +40,9 @@ import (
 // client configured by hand adds it to Config.Middleware. A job its worker
 // completed already (river.JobCompleteTx, WithIdempotency) is left as it
 // is. If the completion fails, River's completer completes the job as
-// usual; the error is logged (slog's default logger).
+// usual; the error is logged (slog's default logger). Completions run at
+// READ COMMITTED, which the release needs, whatever the sessions'
+// default_transaction_isolation (see orderedCompletion.isolated).
 func NewOrderedCompletionMiddleware() rivertype.WorkerMiddleware {
 	return &orderedCompletion{}
 }
@@ -79,6 +81,13 @@ type orderedCompletion struct {
 	// schema before migration 012): each job is then completed with
 	// river.JobCompleteTx.
 	perJob atomic.Bool
+	// isolated is set once a completion finds that the client's sessions
+	// start their transactions above READ COMMITTED
+	// (default_transaction_isolation set for the role or the database):
+	// each completion is then a transaction begun and set to READ
+	// COMMITTED explicitly, three round trips more than the one statement
+	// it is otherwise (completeInTx).
+	isolated atomic.Bool
 }
 
 // completion is one ordered job whose worker returned nil.
@@ -252,7 +261,23 @@ func (m *orderedCompletion) completeGroup(deadline time.Time, group []*completio
 		// comment in migration 012). River's completer, which runs after
 		// the middleware, still merges the work's metadata updates into
 		// the finalized job.
-		err := client.Driver().GetExecutor().Exec(ctx, `SELECT outbox_ordering_complete($1)`, ids)
+		var err error
+		if !m.isolated.Load() {
+			// One statement, its own transaction, at the session's default
+			// isolation: it completes nothing unless that is READ
+			// COMMITTED (see isolated).
+			var n *int32
+			err = client.Driver().GetExecutor().QueryRow(ctx, completeAtReadCommittedSQL, ids).Scan(&n)
+			if err == nil && n == nil {
+				m.isolated.Store(true)
+			}
+		}
+		if err == nil && m.isolated.Load() {
+			err = completeInTx(ctx, client, func(tx pgx.Tx) error {
+				_, err := tx.Exec(ctx, `SELECT outbox_ordering_complete($1)`, ids)
+				return err
+			})
+		}
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == "42883" && strings.Contains(pgErr.Message, "outbox_ordering_complete") {
 			m.perJob.Store(true) // a schema before 012
@@ -260,23 +285,50 @@ func (m *orderedCompletion) completeGroup(deadline time.Time, group []*completio
 		}
 		return err
 	}
+	// As outbox_ordering_complete's: no wait for the WAL flush.
+	return completeInTx(ctx, client, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SET LOCAL synchronous_commit = off`); err != nil {
+			return err
+		}
+		for _, c := range group {
+			jctx, jcancel := context.WithDeadline(c.ctx, deadline)
+			_, err := river.JobCompleteTx[*riverpgxv5.Driver](jctx, tx, &river.Job[anyArgs]{JobRow: c.job})
+			jcancel()
+			if err != nil && !errors.Is(err, rivertype.ErrNotFound) {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// completeAtReadCommittedSQL completes a group in one statement when the
+// session starts its transactions at READ COMMITTED, and returns NULL,
+// completing nothing, when it does not. CASE evaluates the call only when
+// its condition holds.
+const completeAtReadCommittedSQL = `SELECT CASE WHEN current_setting('transaction_isolation') = 'read committed'
+	THEN outbox_ordering_complete($1) END`
+
+// completeInTx runs f in a transaction of client's pool at READ COMMITTED,
+// whatever the session's default_transaction_isolation, and commits it.
+// The release of a key whose line looks empty waits for the handoffs that
+// hold the key's row and then looks again for the jobs they queued: only a
+// statement of a READ COMMITTED transaction, whose snapshot is taken after
+// that wait, sees them. At REPEATABLE READ or SERIALIZABLE the release
+// would delete the key's row and leave such a job pending with nothing to
+// release it.
+func completeInTx(ctx context.Context, client *river.Client[pgx.Tx], f func(pgx.Tx) error) error {
 	execTx, err := client.Driver().GetExecutor().Begin(ctx)
 	if err != nil {
 		return err
 	}
 	tx := client.Driver().UnwrapTx(execTx)
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	// As outbox_ordering_complete's: no wait for the WAL flush.
-	if _, err := tx.Exec(ctx, `SET LOCAL synchronous_commit = off`); err != nil {
+	if _, err := tx.Exec(ctx, `SET TRANSACTION ISOLATION LEVEL READ COMMITTED`); err != nil {
 		return err
 	}
-	for _, c := range group {
-		jctx, jcancel := context.WithDeadline(c.ctx, deadline)
-		_, err := river.JobCompleteTx[*riverpgxv5.Driver](jctx, tx, &river.Job[anyArgs]{JobRow: c.job})
-		jcancel()
-		if err != nil && !errors.Is(err, rivertype.ErrNotFound) {
-			return err
-		}
+	if err := f(tx); err != nil {
+		return err
 	}
 	return tx.Commit(ctx)
 }

@@ -11,9 +11,14 @@ import (
 // transactions above READ COMMITTED (default_transaction_isolation set
 // for the role or the database), and "" when they do not. The release of
 // ordered jobs looks again for a job queued behind a key's head after
-// waiting for the handoff that queued it; at REPEATABLE READ or
-// SERIALIZABLE it cannot, and that job stays pending with nothing to
-// release it (docs/ordering.md, "Limits").
+// waiting for the handoff that queued it, which only a READ COMMITTED
+// statement can. outboxd's handoffs, the completions of outboxriver's
+// middleware and unpark run at READ COMMITTED whatever the default; what
+// completes an ordered job otherwise (River's own completer when the
+// middleware's write fails or is not installed, River UI, a worker's
+// river.JobCompleteTx in a transaction of its own) runs at the default,
+// and there such a job can stay pending with nothing to release it
+// (docs/ordering.md, "Limits").
 func isolationWarning(ctx context.Context, q interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
 }) (string, error) {
@@ -24,7 +29,8 @@ func isolationWarning(ctx context.Context, q interface {
 	if level == "read committed" {
 		return "", nil
 	}
-	return fmt.Sprintf("default_transaction_isolation is %q for this role and database: per-key ordering needs read committed "+
-		"for the transactions that complete ordered jobs, or a key's next job can stay pending with nothing to release it; "+
-		"set it to read committed for the workers' role or database (docs/ordering.md, Limits)", level), nil
+	return fmt.Sprintf("default_transaction_isolation is %q for this role and database: outboxd's handoffs and the ordered "+
+		"completions of outboxriver's middleware run at read committed anyway, but River's own completer, River UI and "+
+		"transactions of your workers that complete ordered jobs run at %q, where a key's next job can stay pending with "+
+		"nothing to release it; set it to read committed for the workers' role or database (docs/ordering.md, Limits)", level, level), nil
 }

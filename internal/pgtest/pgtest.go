@@ -367,3 +367,34 @@ func RolePool(tb testing.TB, s *Schema, role string) *pgxpool.Pool {
 	}
 	return pool
 }
+
+// IsolationPool connects to s with default_transaction_isolation set to
+// level for every session (as a role's or a database's setting would),
+// checks that it took, and closes the pool when the test ends.
+func IsolationPool(tb testing.TB, s *Schema, level string) *pgxpool.Pool {
+	tb.Helper()
+	cfg, err := pgxpool.ParseConfig(s.URL)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
+	cfg.MaxConns = 8
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(pool.Close)
+	var got string
+	if err := pool.QueryRow(context.Background(), `SELECT current_setting('transaction_isolation')`).Scan(&got); err != nil || got != level {
+		tb.Fatalf("transaction_isolation = %q (%v), want %q", got, err, level)
+	}
+	return pool
+}
+
+// WaitingFor reports whether some session waits for a transaction lock
+// that the session with pid holds.
+func WaitingFor(tb testing.TB, pool *pgxpool.Pool, pid int) bool {
+	tb.Helper()
+	return Count(tb, pool, `SELECT count(*) FROM pg_locks l JOIN pg_locks h ON h.transactionid = l.transactionid
+		WHERE NOT l.granted AND l.locktype = 'transactionid' AND h.granted AND h.pid = $1`, pid) > 0
+}
