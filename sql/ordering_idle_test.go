@@ -1,0 +1,149 @@
+package outboxsql_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxhq/outbox/internal/pgtest"
+)
+
+// idleSince reports whether key k's row is there and marked idle.
+func idleSince(t *testing.T, ctx context.Context, pool *pgxpool.Pool, k string) (found, idle bool) {
+	t.Helper()
+	var since *time.Time
+	err := pool.QueryRow(ctx, `SELECT idle_since FROM outbox_ordering_key WHERE tenant_id = '' AND ordering_key = $1 AND queue = 'orders'`, k).Scan(&since)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, false
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return true, since != nil
+}
+
+// wake calls outbox_ordering_wake for key k in a READ COMMITTED
+// transaction.
+func wake(t *testing.T, ctx context.Context, pool *pgxpool.Pool, k string) bool {
+	t.Helper()
+	var woke bool
+	err := pgx.BeginTxFunc(ctx, pool, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
+		return tx.QueryRow(ctx, `SELECT outbox_ordering_wake('', $1, 'orders')`, k).Scan(&woke)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return woke
+}
+
+// TestReleaseAboveReadCommittedLeavesTheKeyIdle (migration 018): River's
+// completion statement run at REPEATABLE READ, while a handoff queues a
+// job behind the key's head, cannot see that job once it has waited for
+// the handoff. The release keeps the key's row, marked idle, instead of
+// deleting it (before 018 the row went and the job stayed pending with
+// nothing to release it); a later handoff queues behind it rather than
+// becoming a head of its own; outbox_ordering_wake, at READ COMMITTED,
+// releases the first job in line. A key idle with nothing in line is
+// deleted by the wake. At READ COMMITTED no key is marked idle.
+func TestReleaseAboveReadCommittedLeavesTheKeyIdle(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 90*time.Second)
+	rr := pgtest.IsolationPool(t, s, "repeatable read")
+
+	head := orderedJob(t, ctx, s.Pool, "k", 1, "available")
+	handoff, err := s.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = handoff.Rollback(context.Background()) }()
+	queued := orderedJob(t, ctx, handoff, "k", 2, "pending")
+
+	done := make(chan error, 1)
+	go func() { done <- completeJob(ctx, rr, "river", head, 30*time.Second) }()
+	// The completion sees an empty line; above READ COMMITTED it does not
+	// wait for the handoff, which may go on or commit first.
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("completing the head at repeatable read: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the completion at repeatable read did not return")
+	}
+	if err := handoff.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if found, idle := idleSince(t, ctx, s.Pool, "k"); !found || !idle {
+		t.Fatalf("after the release at repeatable read the key's row is there %v, idle %v; want both", found, idle)
+	}
+	if got := jobState(t, ctx, s.Pool, queued); got != "pending" {
+		t.Fatalf("the queued job is %s before the wake, want pending", got)
+	}
+	// A later handoff queues behind the idle key: nothing overtakes the
+	// job in line.
+	later := orderedJob(t, ctx, s.Pool, "k", 3, "pending")
+
+	if !wake(t, ctx, s.Pool, "k") {
+		t.Fatal("the wake found no idle key")
+	}
+	if got := jobState(t, ctx, s.Pool, queued); got != "available" {
+		t.Fatalf("the queued job is %s after the wake, want available", got)
+	}
+	if got := keyHead(t, ctx, s.Pool, "k"); got != queued {
+		t.Fatalf("the key's head is job %d, want %d", got, queued)
+	}
+	if _, idle := idleSince(t, ctx, s.Pool, "k"); idle {
+		t.Fatal("the key is still idle after the wake")
+	}
+	if wake(t, ctx, s.Pool, "k") {
+		t.Fatal("a second wake found the key idle")
+	}
+
+	// The rest of the line at READ COMMITTED: no idle mark, the row goes
+	// with the last job.
+	if err := completeJob(ctx, s.Pool, "river", queued, 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if got := jobState(t, ctx, s.Pool, later); got != "available" {
+		t.Fatalf("the later job is %s, want available", got)
+	}
+	if err := completeJob(ctx, s.Pool, "river", later, 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if found, _ := idleSince(t, ctx, s.Pool, "k"); found {
+		t.Fatal("the key's row is still there after its last job at read committed")
+	}
+
+	// Idle with nothing in line: the wake deletes the row.
+	only := orderedJob(t, ctx, s.Pool, "solo", 1, "available")
+	if err := completeJob(ctx, rr, "river", only, 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if found, idle := idleSince(t, ctx, s.Pool, "solo"); !found || !idle {
+		t.Fatalf("solo: row there %v, idle %v; want both", found, idle)
+	}
+	if !wake(t, ctx, s.Pool, "solo") {
+		t.Fatal("the wake found no idle key solo")
+	}
+	if found, _ := idleSince(t, ctx, s.Pool, "solo"); found {
+		t.Fatal("the idle key's row is still there after the wake with nothing in line")
+	}
+	next := orderedJob(t, ctx, s.Pool, "solo", 2, "available")
+	if got := keyHead(t, ctx, s.Pool, "solo"); got != next {
+		t.Fatalf("solo's head is job %d, want %d", got, next)
+	}
+
+	// The wake itself refuses to run above READ COMMITTED.
+	var woke bool
+	err = rr.QueryRow(ctx, `SELECT outbox_ordering_wake('', 'solo', 'orders')`).Scan(&woke)
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "25000" {
+		t.Fatalf("wake at repeatable read: %v, want SQLSTATE 25000", err)
+	}
+}
