@@ -93,6 +93,11 @@ type Config struct {
 	// FailureAlertAfter raises DispatcherFailing after this many consecutive
 	// failed passes. 0 means 5.
 	FailureAlertAfter int
+	// IdleWakeInterval is how often the dispatcher wakes the ordering
+	// keys that a release above READ COMMITTED left idle (migration 018;
+	// docs/ordering.md, "Limits"). 0 means 1 s; negative disables the
+	// wake (then something else must call outbox_ordering_wake).
+	IdleWakeInterval time.Duration
 	// SynchronousCommit makes each batch wait for its WAL flush; see
 	// claim.Handoff.SynchronousCommit for why the default (false) keeps the
 	// handoff exactly-once.
@@ -123,6 +128,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.WakeLockTimeout == 0 {
 		c.WakeLockTimeout = 250 * time.Millisecond
+	}
+	if c.IdleWakeInterval == 0 {
+		c.IdleWakeInterval = time.Second
 	}
 	if c.DrainWindow == 0 {
 		c.DrainWindow = 250 * time.Millisecond
@@ -273,6 +281,8 @@ type Dispatcher struct {
 	mu      sync.Mutex // guards started
 	started bool
 	life    service.Lifecycle
+	// idle wakes idle ordering keys (idle.go); nil when disabled.
+	idle *idleWake
 }
 
 // New validates cfg and builds a Dispatcher on pool (whose search_path
@@ -374,6 +384,12 @@ func (d *Dispatcher) Start(ctx context.Context) error {
 	}); err != nil {
 		return fmt.Errorf("dispatcher: %w", err)
 	}
+	if d.cfg.IdleWakeInterval > 0 {
+		d.idle = &idleWake{pool: d.pool, logger: d.logger, tick: d.cfg.IdleWakeInterval}
+		if err := d.idle.Start(ctx); err != nil {
+			return fmt.Errorf("dispatcher: %w", err)
+		}
+	}
 	d.logger.Info("outbox dispatcher started",
 		slog.String("schema", d.schema),
 		slog.Bool("listen", !d.cfg.ListenDisabled),
@@ -392,8 +408,13 @@ func (d *Dispatcher) Start(ctx context.Context) error {
 func (d *Dispatcher) Stop(ctx context.Context) error {
 	err := d.life.Stop(ctx)
 	d.mu.Lock()
-	lis := d.lis
+	lis, idle := d.lis, d.idle
 	d.mu.Unlock()
+	if idle != nil {
+		if ierr := idle.Stop(ctx); err == nil {
+			err = ierr
+		}
+	}
 	if lis != nil {
 		_ = lis.Stop(context.WithoutCancel(ctx))
 	}

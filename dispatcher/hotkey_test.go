@@ -190,3 +190,34 @@ func TestEventsPublishedDuringAWalkPassIt(t *testing.T) {
 		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done'`) == n+1
 	})
 }
+
+// TestDispatcherWakesIdleKeys: a key's head completed by River's own
+// completion statement at REPEATABLE READ is left idle (migration 018);
+// the key's next event, handed off by the dispatcher, waits behind it,
+// and the same dispatcher's wake of idle keys releases it, in order.
+func TestDispatcherWakesIdleKeys(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 8})
+	ctx := pgtest.Context(t, 90*time.Second)
+	start(t, s.Pool, dispatcher.Config{PollInterval: 50 * time.Millisecond, IdleWakeInterval: 100 * time.Millisecond})
+	ev := outbox.Event{Type: "mail.order.sent", OrderingKey: "order-42", Payload: []byte(`{}`)}
+	jobOf := func(id int64) int64 {
+		var job int64
+		pgtest.WaitFor(t, 60*time.Second, "the event handed off", func() bool {
+			return s.Pool.QueryRow(ctx, `SELECT river_job_ids[1] FROM outbox_event WHERE id = $1 AND status = 'done'`, id).Scan(&job) == nil
+		})
+		return job
+	}
+	first := jobOf(pgtest.Publish(t, s.Pool, ev)[0])
+	rr := pgtest.IsolationPool(t, s, "repeatable read")
+	if _, err := rr.Exec(ctx, `UPDATE river_job SET state = 'completed', finalized_at = now(), attempt = 1, attempted_at = now() WHERE id = $1`, first); err != nil {
+		t.Fatal(err)
+	}
+	second := jobOf(pgtest.Publish(t, s.Pool, ev)[0])
+	pgtest.WaitFor(t, 60*time.Second, "the next job released by the wake", func() bool {
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1 AND state = 'available'`, second) == 1
+	})
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_key WHERE head_job_id = $1 AND idle_since IS NULL`, second); n != 1 {
+		t.Fatalf("the next job heads %d keys that are not idle, want 1", n)
+	}
+}

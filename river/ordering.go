@@ -303,10 +303,11 @@ func (m *orderedCompletion) completeGroup(deadline time.Time, group []*completio
 }
 
 // completeAtReadCommittedSQL completes a group in one statement when the
-// session starts its transactions at READ COMMITTED, and returns NULL,
+// session starts its transactions at READ COMMITTED (or READ UNCOMMITTED,
+// which Postgres runs as READ COMMITTED), and returns NULL,
 // completing nothing, when it does not. CASE evaluates the call only when
 // its condition holds.
-const completeAtReadCommittedSQL = `SELECT CASE WHEN current_setting('transaction_isolation') = 'read committed'
+const completeAtReadCommittedSQL = `SELECT CASE WHEN current_setting('transaction_isolation') IN ('read committed', 'read uncommitted')
 	THEN outbox_ordering_complete($1) END`
 
 // completeInTx runs f in a transaction of client's pool at READ COMMITTED,
@@ -315,8 +316,9 @@ const completeAtReadCommittedSQL = `SELECT CASE WHEN current_setting('transactio
 // hold the key's row and then looks again for the jobs they queued: only a
 // statement of a READ COMMITTED transaction, whose snapshot is taken after
 // that wait, sees them. At REPEATABLE READ or SERIALIZABLE the release
-// would delete the key's row and leave such a job pending with nothing to
-// release it.
+// would leave the key idle (migration 018; before it, delete the key's row
+// and strand such a job), and the key's next job would wait for the
+// dispatcher's wake of idle keys, about a second.
 func completeInTx(ctx context.Context, client *river.Client[pgx.Tx], f func(pgx.Tx) error) error {
 	execTx, err := client.Driver().GetExecutor().Begin(ctx)
 	if err != nil {

@@ -147,3 +147,40 @@ func TestReleaseAboveReadCommittedLeavesTheKeyIdle(t *testing.T) {
 		t.Fatalf("wake at repeatable read: %v, want SQLSTATE 25000", err)
 	}
 }
+
+// TestSkipAboveReadCommittedEndsTheParking: outbox_unpark's skip of a
+// parked head with nothing in line, called at SERIALIZABLE, leaves the key
+// idle and no longer parked (the parked head is done, as when the row was
+// deleted): a later retry finds nothing parked and runs nothing, and the
+// wake deletes the row.
+func TestSkipAboveReadCommittedEndsTheParking(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	head := orderedJob(t, ctx, s.Pool, "p", 1, "available")
+	if _, err := s.Pool.Exec(ctx, `UPDATE river_job SET state = 'discarded', finalized_at = now(), attempt = 3 WHERE id = $1`, head); err != nil {
+		t.Fatal(err)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_key WHERE ordering_key = 'p' AND parked_at IS NOT NULL`); n != 1 {
+		t.Fatalf("%d parked keys, want 1", n)
+	}
+	ser := pgtest.IsolationPool(t, s, "serializable")
+	if n := pgtest.Count(t, ser, `SELECT count(*) FROM outbox_unpark('test', false, 'p', 'skip')`); n != 1 {
+		t.Fatalf("skip touched %d keys, want 1", n)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_key WHERE ordering_key = 'p' AND idle_since IS NOT NULL AND parked_at IS NULL AND parked_state IS NULL`); n != 1 {
+		t.Fatal("after a skip at serializable the key is not idle and unparked")
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_unpark('test', false, 'p', 'retry')`); n != 0 {
+		t.Fatalf("a retry after the skip touched %d keys, want 0", n)
+	}
+	if got := jobState(t, ctx, s.Pool, head); got != "discarded" {
+		t.Fatalf("the skipped head is %s, want discarded", got)
+	}
+	if !wake(t, ctx, s.Pool, "p") {
+		t.Fatal("the wake found no idle key p")
+	}
+	if found, _ := idleSince(t, ctx, s.Pool, "p"); found {
+		t.Fatal("the key's row is still there after the wake")
+	}
+}

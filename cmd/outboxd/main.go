@@ -204,10 +204,6 @@ func run() int {
 		// dispatcher's processes.
 		services = append(services, service.Named{Name: "parked key watch", Service: &parkedWatch{
 			pool: pool, al: alerter, logger: logger, tick: parkedCheckEvery}})
-		// Keys a release above READ COMMITTED left idle are released
-		// again (idle.go, migration 018).
-		services = append(services, service.Named{Name: "idle key wake", Service: &idleWake{
-			pool: pool, logger: logger, tick: idleWakeEvery}})
 	}
 	// Retention runs in every process with a database, with or without the
 	// dispatcher (a worker-only outboxd purges too); its advisory lock makes

@@ -15,15 +15,19 @@
 -- commit before this migration; this one covers everything else:
 --
 -- - outbox_ordering_advance, above READ COMMITTED, leaves the key's row
---   where it is and sets its new column idle_since, when the line looks
---   empty. A handoff that queues a job behind the key later finds the row
---   and queues behind it, as before: nothing overtakes a stranded job.
+--   where it is and sets its new column idle_since (and ends a parking:
+--   the parked head is done, as when the row was deleted), when the line
+--   looks empty. A handoff that queues a job behind the key later finds
+--   the row and queues behind it, as before: nothing overtakes a stranded
+--   job. (Postgres runs READ UNCOMMITTED as READ COMMITTED: both count as
+--   READ COMMITTED here.)
 -- - outbox_ordering_wake(tenant, key, queue), at READ COMMITTED only, takes
 --   an idle key (SKIP LOCKED), clears idle_since and runs the release again
 --   there: the first job in line becomes the head, or, with none, the row
---   goes. outboxd runs it every second for the idle keys
+--   goes. The dispatcher runs it every second for the idle keys, keys with
+--   jobs in line first, and again at once while it finds a full batch
 --   (outbox_ordering_key_idle_idx: nothing to read when there are none), so
---   such a key's next job starts within about a second rather than never.
+--   such a key's next job starts about a second late rather than never.
 -- - At READ COMMITTED nothing changes: the release never marks a key idle.
 --
 -- One transaction. ADD COLUMN of a nullable column without a default
@@ -62,11 +66,14 @@ BEGIN
                         ORDER BY y.position, y.job_id LIMIT 1)
         RETURNING x.position, x.job_id, x.event_id INTO w;
         IF NOT FOUND THEN
-            IF current_setting('transaction_isolation') <> 'read committed' THEN
+            IF current_setting('transaction_isolation') NOT IN ('read committed', 'read uncommitted') THEN
                 -- This snapshot cannot show what the handoffs that hold
                 -- the row queued: the key stays, idle, for
-                -- outbox_ordering_wake to release at READ COMMITTED.
-                UPDATE outbox_ordering_key k SET idle_since = coalesce(k.idle_since, now())
+                -- outbox_ordering_wake to release at READ COMMITTED. Its
+                -- head is done: a parking (by that head) ends here, as
+                -- the row's deletion would have ended it.
+                UPDATE outbox_ordering_key k
+                SET idle_since = coalesce(k.idle_since, now()), parked_at = NULL, parked_state = NULL
                 WHERE k.tenant_id = v_tenant AND k.ordering_key = v_key AND k.queue = v_queue;
                 RETURN;
             END IF;
@@ -124,7 +131,7 @@ DECLARE
     v_key    text COLLATE "default" := p_key;
     v_queue  text COLLATE "default" := p_queue;
 BEGIN
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
+    IF current_setting('transaction_isolation') NOT IN ('read committed', 'read uncommitted') THEN
         RAISE EXCEPTION 'outbox_ordering_wake needs READ COMMITTED, not %', current_setting('transaction_isolation')
             USING ERRCODE = 'invalid_transaction_state';
     END IF;
