@@ -184,3 +184,44 @@ func TestSkipAboveReadCommittedEndsTheParking(t *testing.T) {
 		t.Fatal("the key's row is still there after the wake")
 	}
 }
+
+// TestBothCompletersLeaveTheKeyIdleAboveReadCommitted: River's completion
+// statement and outbox_ordering_complete's group path, each run at
+// SERIALIZABLE while a handoff queues a job behind the head, leave the key
+// idle rather than strand that job; the wake releases it.
+func TestBothCompletersLeaveTheKeyIdleAboveReadCommitted(t *testing.T) {
+	t.Parallel()
+	for _, c := range completers {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			s := pgtest.NewSchema(t, nil)
+			ctx := pgtest.Context(t, 60*time.Second)
+			ser := pgtest.IsolationPool(t, s, "serializable")
+			head := orderedJob(t, ctx, s.Pool, "k", 1, "available")
+			handoff, err := s.Pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = handoff.Rollback(context.Background()) }()
+			queued := orderedJob(t, ctx, handoff, "k", 2, "pending")
+			if err := completeJob(ctx, ser, c.name, head, 10*time.Second); err != nil {
+				t.Fatalf("completing the head at serializable: %v", err)
+			}
+			if err := handoff.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if found, idle := idleSince(t, ctx, s.Pool, "k"); !found || !idle {
+				t.Fatalf("the key's row is there %v, idle %v; want both", found, idle)
+			}
+			if got := jobState(t, ctx, s.Pool, queued); got != "pending" {
+				t.Fatalf("the queued job is %s before the wake, want pending", got)
+			}
+			if !wake(t, ctx, s.Pool, "k") {
+				t.Fatal("the wake found no idle key")
+			}
+			if got := jobState(t, ctx, s.Pool, queued); got != "available" {
+				t.Fatalf("the queued job is %s after the wake, want available", got)
+			}
+		})
+	}
+}
