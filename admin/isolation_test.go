@@ -1,7 +1,6 @@
 package admin_test
 
 import (
-	"context"
 	"testing"
 	"time"
 
@@ -26,18 +25,10 @@ func TestUnparkSkipAtRepeatableRead(t *testing.T) {
 	head := jobOf(t, s, ids[0])
 	discard(t, s, head)
 
-	handoff, err := s.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = handoff.Rollback(context.Background()) }()
-	var pid int
-	if err := handoff.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
-		t.Fatal(err)
-	}
+	handoff, pid := pgtest.OpenTx(t, ctx, s.Pool)
 	var queued int64
 	var state string
-	err = handoff.QueryRow(ctx, `
+	err := handoff.QueryRow(ctx, `
 		INSERT INTO river_job (kind, args, queue, max_attempts, metadata)
 		VALUES ('order_step', '{}', 'outbox_order', 3,
 		        jsonb_build_object('outbox_tenant_id', 'acme', 'outbox_ordering_key', 'k', 'outbox_ordering_position', 1e15::bigint))

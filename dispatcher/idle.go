@@ -59,9 +59,9 @@ type idleWake struct {
 	tick   time.Duration
 	life   service.Lifecycle
 
-	// checks counts the completed checks, woken the keys woken, and
-	// failed the keys whose wake failed (test signals).
-	checks, woken, failed atomic.Int64
+	// woken counts the keys woken, failed the keys whose wake failed
+	// (test signals).
+	woken, failed atomic.Int64
 }
 
 // Start starts the wake's goroutine.
@@ -99,7 +99,6 @@ func (w *idleWake) loop(ctx context.Context) {
 		case ctx.Err() != nil:
 			return
 		case err == nil:
-			w.checks.Add(1)
 		case errors.As(err, &pgErr) && pgErr.Code == "42703": // no idle_since: before 018
 			if !oldSchema {
 				oldSchema = true

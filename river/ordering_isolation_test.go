@@ -1,7 +1,6 @@
 package outboxriver_test
 
 import (
-	"context"
 	"testing"
 	"time"
 
@@ -43,15 +42,7 @@ func TestOrderedCompletionAtRepeatableRead(t *testing.T) {
 
 			// A handoff (at READ COMMITTED, as the dispatcher's) queues the
 			// next job behind the running head and stays open.
-			handoff, err := s.Pool.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer func() { _ = handoff.Rollback(context.Background()) }()
-			var handoffPID int
-			if err := handoff.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&handoffPID); err != nil {
-				t.Fatal(err)
-			}
+			handoff, handoffPID := pgtest.OpenTx(t, ctx, s.Pool)
 			if err := handoff.QueryRow(ctx, insert, 2).Scan(&state); err != nil || state != "pending" {
 				t.Fatalf("second job inserted as %q (%v), want pending", state, err)
 			}

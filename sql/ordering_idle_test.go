@@ -57,24 +57,13 @@ func TestReleaseAboveReadCommittedLeavesTheKeyIdle(t *testing.T) {
 	rr := pgtest.IsolationPool(t, s, "repeatable read")
 
 	head := orderedJob(t, ctx, s.Pool, "k", 1, "available")
-	handoff, err := s.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = handoff.Rollback(context.Background()) }()
+	handoff, _ := pgtest.OpenTx(t, ctx, s.Pool)
 	queued := orderedJob(t, ctx, handoff, "k", 2, "pending")
 
-	done := make(chan error, 1)
-	go func() { done <- completeJob(ctx, rr, "river", head, 30*time.Second) }()
 	// The completion sees an empty line; above READ COMMITTED it does not
-	// wait for the handoff, which may go on or commit first.
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatalf("completing the head at repeatable read: %v", err)
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("the completion at repeatable read did not return")
+	// wait for the handoff (under its lock_timeout, a wait would fail it).
+	if err := completeJob(ctx, rr, "river", head, 10*time.Second); err != nil {
+		t.Fatalf("completing the head at repeatable read: %v", err)
 	}
 	if err := handoff.Commit(ctx); err != nil {
 		t.Fatal(err)
@@ -141,7 +130,7 @@ func TestReleaseAboveReadCommittedLeavesTheKeyIdle(t *testing.T) {
 
 	// The wake itself refuses to run above READ COMMITTED.
 	var woke bool
-	err = rr.QueryRow(ctx, `SELECT outbox_ordering_wake('', 'solo', 'orders')`).Scan(&woke)
+	err := rr.QueryRow(ctx, `SELECT outbox_ordering_wake('', 'solo', 'orders')`).Scan(&woke)
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) || pgErr.Code != "25000" {
 		t.Fatalf("wake at repeatable read: %v, want SQLSTATE 25000", err)
@@ -198,11 +187,7 @@ func TestBothCompletersLeaveTheKeyIdleAboveReadCommitted(t *testing.T) {
 			ctx := pgtest.Context(t, 60*time.Second)
 			ser := pgtest.IsolationPool(t, s, "serializable")
 			head := orderedJob(t, ctx, s.Pool, "k", 1, "available")
-			handoff, err := s.Pool.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer func() { _ = handoff.Rollback(context.Background()) }()
+			handoff, _ := pgtest.OpenTx(t, ctx, s.Pool)
 			queued := orderedJob(t, ctx, handoff, "k", 2, "pending")
 			if err := completeJob(ctx, ser, c.name, head, 10*time.Second); err != nil {
 				t.Fatalf("completing the head at serializable: %v", err)

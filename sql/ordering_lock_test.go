@@ -123,11 +123,7 @@ func TestReleaseDoesNotWaitForAHandoffQueueingBehind(t *testing.T) {
 
 			head := orderedJob(t, ctx, s.Pool, "k", 1, "available")
 			next := orderedJob(t, ctx, s.Pool, "k", 2, "pending")
-			handoff, err := s.Pool.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer func() { _ = handoff.Rollback(context.Background()) }()
+			handoff, _ := pgtest.OpenTx(t, ctx, s.Pool)
 			last := orderedJob(t, ctx, handoff, "k", 3, "pending")
 
 			if err := completeJob(ctx, s.Pool, c.name, head, 3*time.Second); err != nil {
@@ -172,22 +168,13 @@ func TestReleaseOfAnEmptyLineWaitsForAHandoff(t *testing.T) {
 			ctx := pgtest.Context(t, 60*time.Second)
 
 			head := orderedJob(t, ctx, s.Pool, "k", 1, "available")
-			handoff, err := s.Pool.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer func() { _ = handoff.Rollback(context.Background()) }()
-			var handoffPID int
-			if err := handoff.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&handoffPID); err != nil {
-				t.Fatal(err)
-			}
+			handoff, handoffPID := pgtest.OpenTx(t, ctx, s.Pool)
 			queued := orderedJob(t, ctx, handoff, "k", 2, "pending")
 
 			done := make(chan error, 1)
 			go func() { done <- completeJob(ctx, s.Pool, c.name, head, 30*time.Second) }()
 			pgtest.WaitFor(t, 20*time.Second, "the completion waits for the handoff", func() bool {
-				return pgtest.Count(t, s.Pool, `SELECT count(*) FROM pg_locks l JOIN pg_locks h ON h.transactionid = l.transactionid
-					WHERE NOT l.granted AND l.locktype = 'transactionid' AND h.granted AND h.pid = $1`, handoffPID) == 1
+				return pgtest.WaitingFor(t, s.Pool, handoffPID)
 			})
 			select {
 			case err := <-done:

@@ -350,22 +350,7 @@ func (s *Schema) ListenRiverInsert(tb testing.TB, ctx context.Context) func() []
 // does, and closes the pool when the test ends.
 func RolePool(tb testing.TB, s *Schema, role string) *pgxpool.Pool {
 	tb.Helper()
-	cfg, err := pgxpool.ParseConfig(s.URL)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	cfg.ConnConfig.RuntimeParams["role"] = role
-	cfg.MaxConns = 6
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(pool.Close)
-	var cur string
-	if err := pool.QueryRow(context.Background(), `SELECT current_user`).Scan(&cur); err != nil || cur != role {
-		tb.Fatalf("current_user = %q (%v), want %q", cur, err, role)
-	}
-	return pool
+	return SessionPool(tb, s, "role", role, 6)
 }
 
 // IsolationPool connects to s with default_transaction_isolation set to
@@ -373,22 +358,49 @@ func RolePool(tb testing.TB, s *Schema, role string) *pgxpool.Pool {
 // checks that it took, and closes the pool when the test ends.
 func IsolationPool(tb testing.TB, s *Schema, level string) *pgxpool.Pool {
 	tb.Helper()
+	return SessionPool(tb, s, "default_transaction_isolation", level, 8)
+}
+
+// SessionPool connects to s with the setting name set to value for every
+// session (a startup parameter), at most maxConns connections, checks that
+// current_setting(name) says value, and closes the pool when the test
+// ends.
+func SessionPool(tb testing.TB, s *Schema, name, value string, maxConns int32) *pgxpool.Pool {
+	tb.Helper()
 	cfg, err := pgxpool.ParseConfig(s.URL)
 	if err != nil {
 		tb.Fatal(err)
 	}
-	cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
-	cfg.MaxConns = 8
+	cfg.ConnConfig.RuntimeParams[name] = value
+	cfg.MaxConns = maxConns
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
 		tb.Fatal(err)
 	}
 	tb.Cleanup(pool.Close)
 	var got string
-	if err := pool.QueryRow(context.Background(), `SELECT current_setting('transaction_isolation')`).Scan(&got); err != nil || got != level {
-		tb.Fatalf("transaction_isolation = %q (%v), want %q", got, err, level)
+	if err := pool.QueryRow(context.Background(), `SELECT current_setting($1)`, name).Scan(&got); err != nil || got != value {
+		tb.Fatalf("%s = %q (%v), want %q", name, got, err, value)
 	}
 	return pool
+}
+
+// OpenTx begins a transaction on pool that the test leaves open (a
+// handoff in flight, say) and returns it with its session's backend pid
+// (for WaitingFor); it is rolled back when the test ends unless it ended
+// before.
+func OpenTx(tb testing.TB, ctx context.Context, pool *pgxpool.Pool) (pgx.Tx, int) {
+	tb.Helper()
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	var pid int
+	if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+		tb.Fatal(err)
+	}
+	return tx, pid
 }
 
 // WaitingFor reports whether some session waits for a transaction lock

@@ -30,6 +30,11 @@
 --   such a key's next job starts about a second late rather than never.
 -- - At READ COMMITTED nothing changes: the release never marks a key idle.
 --
+-- outbox_ordering_advance below is 014's, restated whole (CREATE OR
+-- REPLACE takes the whole body) with two changes: the idle branch when the
+-- line looks empty above READ COMMITTED, and idle_since = NULL where the
+-- head moves.
+--
 -- One transaction. ADD COLUMN of a nullable column without a default
 -- takes an ACCESS EXCLUSIVE lock on outbox_ordering_key for a moment, and
 -- the index is built in the transaction (the table holds one row per key
