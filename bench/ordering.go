@@ -47,6 +47,11 @@ type OrderingResults struct {
 	// HotPerEventMs is the hot key's drain time per event (its jobs do
 	// nothing, so this is the whole cost of one event's turn).
 	HotPerEventMs float64 `json:"hot_key_ms_per_event"`
+	// FloorPerEventMs and FloorGap are HotPerEventMs and GapAfterHandoff
+	// of the floor of one key (ordChainFloor): a River chain of Hot jobs,
+	// each inserting its successor as it completes.
+	FloorPerEventMs float64  `json:"floor_ms_per_event,omitempty"`
+	FloorGap        *Summary `json:"floor_next_job_start,omitempty"`
 }
 
 // OrderingRun is one backlog, from the start of the dispatcher and the
@@ -98,7 +103,7 @@ type orderRun struct {
 
 // orderingModeNames are the modes -ordering-modes selects from, in the
 // order the scenario runs them.
-var orderingModeNames = []string{"notriggers", "unordered", "keys", "hot"}
+var orderingModeNames = []string{"notriggers", "unordered", "keys", "hot", "floor"}
 
 func (w *orderWorker) Work(_ context.Context, job *river.Job[outboxriver.EventArgs]) error {
 	start := time.Now()
@@ -135,13 +140,27 @@ func runOrdering(ctx context.Context, e *env, o *Options) (*OrderingResults, err
 		{"unordered", ordUnordered, n, 0, false},
 		{"keys", ordKeys, n, res.Keys, false},
 		{"hot", ordHot, res.Hot, 1, false},
+		{"floor", ordChainFloor, res.Hot, 1, false},
 	}
 	var base float64
 	for i, s := range specs {
 		if len(o.OrderingModes) > 0 && !slices.Contains(o.OrderingModes, s.name) {
 			continue
 		}
-		r, w, err := orderingRun(ctx, e, fmt.Sprintf("ordering_%d", i), s.events, s.keys, s.noTriggers, res.Workers)
+		var (
+			r    OrderingRun
+			runs map[string][]orderRun
+			err  error
+		)
+		if s.mode == ordChainFloor {
+			r, runs, err = chainFloorRun(ctx, e, fmt.Sprintf("ordering_%d", i), s.events, res.Workers)
+		} else {
+			var w *orderWorker
+			r, w, err = orderingRun(ctx, e, fmt.Sprintf("ordering_%d", i), s.events, s.keys, s.noTriggers, res.Workers)
+			if w != nil {
+				runs = w.runs
+			}
+		}
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", s.mode, err)
 		}
@@ -157,12 +176,16 @@ func runOrdering(ctx context.Context, e *env, o *Options) (*OrderingResults, err
 			r.Ratio = r.PerSecond / base
 		}
 		if s.keys > 0 {
-			r.Violations = violations(w.runs)
+			r.Violations = violations(runs)
 		}
-		if s.mode == ordHot {
+		switch s.mode {
+		case ordHot:
 			res.HotPerEventMs = r.Seconds * 1000 / float64(r.Events)
-			res.Gap = gaps(w.runs, time.Time{})
-			res.GapAfterHandoff = gaps(w.runs, r.started.Add(time.Duration(r.HandoffSeconds*float64(time.Second))))
+			res.Gap = gaps(runs, time.Time{})
+			res.GapAfterHandoff = gaps(runs, r.started.Add(time.Duration(r.HandoffSeconds*float64(time.Second))))
+		case ordChainFloor:
+			res.FloorPerEventMs = r.Seconds * 1000 / float64(r.Events)
+			res.FloorGap = gaps(runs, time.Time{})
 		}
 		logf("ordering: %s: %d events in %.2f s (handed off in %.2f s) = %.0f ev/s (%.2f× unordered), %d order violations; CPU per 1k events: postgres %.0f ms, dispatcher+workers %.0f ms",
 			s.mode, r.Events, r.Seconds, r.HandoffSeconds, r.PerSecond, r.Ratio, r.Violations, r.ServerCPUms, r.BenchCPUms)
@@ -171,6 +194,10 @@ func runOrdering(ctx context.Context, e *env, o *Options) (*OrderingResults, err
 	if res.Gap != nil {
 		logf("ordering: hot key: %.3f ms per event; next job starts p50 %.2f ms p99 %.2f ms after the previous one ends",
 			res.HotPerEventMs, res.Gap.P50, res.Gap.P99)
+	}
+	if res.FloorGap != nil {
+		logf("ordering: floor of one key: %.3f ms per event; next job starts p50 %.2f ms p99 %.2f ms after the previous one ends",
+			res.FloorPerEventMs, res.FloorGap.P50, res.FloorGap.P99)
 	}
 	return res, nil
 }
@@ -208,35 +235,17 @@ func orderingRun(ctx context.Context, e *env, schema string, n, keys int, noTrig
 		return r, nil, err
 	}
 	defer wp.Close()
-	cfg := outboxriver.WorkerConfig(ws, map[string]int{benchQueue: workers}, outboxriver.WorkerLatency{})
-	cfg.Logger = e.quiet
-	rc, err := river.NewClient(riverpgxv5.New(wp), cfg)
+	ow, err := newOrderingWorkers(e, p, wp, ws, workers)
 	if err != nil {
 		return r, nil, err
 	}
 	srv0, self0 := backendCPU(ctx, p), selfCPUSeconds()
 	start := time.Now()
 	r.started = start
-	if err := rc.Start(ctx); err != nil {
+	if err := ow.start(ctx); err != nil {
 		return r, nil, err
 	}
-	defer func() {
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-		defer cancel()
-		_ = rc.Stop(sctx)
-	}()
-	// outboxd merges River's GIN pending lists beside its dispatcher
-	// (OUTBOX_RIVER_GIN_CLEAN_INTERVAL_MS), as the latency scenario's
-	// outbox modes do: without it a statement that writes river_job
-	// stalls for tens of milliseconds whenever a list fills.
-	gc, err := outboxriver.NewGINCleaner(p, outboxriver.GINCleanerConfig{})
-	if err != nil {
-		return r, nil, err
-	}
-	if err := gc.Start(ctx); err != nil {
-		return r, nil, err
-	}
-	defer func() { _ = gc.Stop(context.WithoutCancel(ctx)) }()
+	defer ow.stop(ctx)
 	d, err := dispatcher.New(p, dispatcher.Config{Routes: e.routes, PollInterval: time.Second, Logger: e.quiet})
 	if err != nil {
 		return r, nil, err
@@ -249,9 +258,8 @@ func orderingRun(ctx context.Context, e *env, schema string, n, keys int, noTrig
 		defer cancel()
 		_ = d.Stop(sctx)
 	}()
-	limit := time.Now().Add(10 * time.Minute)
 	handedOff := false
-	for w.worked.Load() < int64(n) {
+	err = waitWorked(ctx, &w.worked, n, func() error {
 		if !handedOff {
 			// One probe of the claim index, not a count: this runs every
 			// 5 ms beside the drain it measures.
@@ -261,14 +269,10 @@ func orderingRun(ctx context.Context, e *env, schema string, n, keys int, noTrig
 				r.HandoffSeconds = time.Since(start).Seconds()
 			}
 		}
-		if time.Now().After(limit) {
-			return r, nil, fmt.Errorf("only %d of %d jobs worked in 10 minutes", w.worked.Load(), n)
-		}
-		select {
-		case <-ctx.Done():
-			return r, nil, ctx.Err()
-		case <-time.After(5 * time.Millisecond):
-		}
+		return nil
+	})
+	if err != nil {
+		return r, nil, err
 	}
 	srv1, self1 := backendCPU(ctx, p), selfCPUSeconds()
 	r.ServerCPUms = backendCPUSince(srv0, srv1) * 1e6 / float64(n)
@@ -286,6 +290,81 @@ func orderingRun(ctx context.Context, e *env, schema string, n, keys int, noTrig
 	r.Seconds = last.Sub(start).Seconds()
 	r.PerSecond = float64(n) / r.Seconds
 	return r, w, nil
+}
+
+// orderingWorkers are the River workers of the ordering scenario's
+// drains and, beside them, River's GIN cleaner.
+type orderingWorkers struct {
+	rc *river.Client[pgx.Tx]
+	gc *outboxriver.GINCleaner
+}
+
+// newOrderingWorkers makes a River client on wp with workers workers of
+// the bench queue (outboxriver.WorkerConfig: the ordered completion
+// middleware, outboxd's fetch settings) and a GIN cleaner on p; start
+// starts them.
+func newOrderingWorkers(e *env, p, wp *pgxpool.Pool, ws *river.Workers, workers int) (*orderingWorkers, error) {
+	cfg := outboxriver.WorkerConfig(ws, map[string]int{benchQueue: workers}, outboxriver.WorkerLatency{})
+	cfg.Logger = e.quiet
+	rc, err := river.NewClient(riverpgxv5.New(wp), cfg)
+	if err != nil {
+		return nil, err
+	}
+	// outboxd merges River's GIN pending lists beside its dispatcher
+	// (OUTBOX_RIVER_GIN_CLEAN_INTERVAL_MS), as the latency scenario's
+	// outbox modes do: without it a statement that writes river_job
+	// stalls for tens of milliseconds whenever a list fills.
+	gc, err := outboxriver.NewGINCleaner(p, outboxriver.GINCleanerConfig{})
+	if err != nil {
+		return nil, err
+	}
+	return &orderingWorkers{rc: rc, gc: gc}, nil
+}
+
+// start starts the workers, then the cleaner; on an error it stops what
+// it started.
+func (o *orderingWorkers) start(ctx context.Context) error {
+	if err := o.rc.Start(ctx); err != nil {
+		return err
+	}
+	if err := o.gc.Start(ctx); err != nil {
+		o.stopClient(ctx)
+		return err
+	}
+	return nil
+}
+
+// stop stops the cleaner and the workers (after a successful start).
+func (o *orderingWorkers) stop(ctx context.Context) {
+	_ = o.gc.Stop(context.WithoutCancel(ctx))
+	o.stopClient(ctx)
+}
+
+func (o *orderingWorkers) stopClient(ctx context.Context) {
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	_ = o.rc.Stop(sctx)
+}
+
+// waitWorked waits, checking every 5 ms, until worked reaches n; each
+// check calls tick first, whose error ends the wait. It gives up after 10
+// minutes.
+func waitWorked(ctx context.Context, worked *atomic.Int64, n int, tick func() error) error {
+	limit := time.Now().Add(10 * time.Minute)
+	for worked.Load() < int64(n) {
+		if err := tick(); err != nil {
+			return err
+		}
+		if time.Now().After(limit) {
+			return fmt.Errorf("only %d of %d jobs worked in 10 minutes", worked.Load(), n)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	return nil
 }
 
 // orderedBacklog inserts n events, event i with key "key-<i mod keys>"
@@ -358,6 +437,18 @@ func orderingMarkdown(r *OrderingResults) string {
 				g.P50, g.P90, g.P99, g.Max, g.Count)
 		}
 	}
+	if g := r.FloorGap; g != nil {
+		s += fmt.Sprintf("\nFloor of one key (a River chain: each job completes itself and inserts its successor in one statement; no outbox): %.3f ms per event. Next job's start: p50 %.2f ms, p90 %.2f ms, p99 %.2f ms, p99.9 %.2f ms, max %.2f ms (%d gaps).\n",
+			r.FloorPerEventMs, g.P50, g.P90, g.P99, g.P999, g.Max, g.Count)
+		if r.Gap != nil {
+			s += fmt.Sprintf("Hot key minus the floor: %+.3f ms per event; next job's start %+.2f ms at p50, %+.2f ms at p99",
+				r.HotPerEventMs-r.FloorPerEventMs, r.Gap.P50-g.P50, r.Gap.P99-g.P99)
+			if a := r.GapAfterHandoff; a != nil && a.Count > 0 {
+				s += fmt.Sprintf(" (%+.2f ms after the last handoff)", a.P99-g.P99)
+			}
+			s += ".\n"
+		}
+	}
 	return s + "\n"
 }
 
@@ -389,18 +480,27 @@ func orderingPlot(r *OrderingResults, path string) error {
 	cdf.X.Tick.Marker = plot.LogTicks{Prec: -1}
 	cdf.Y.Min, cdf.Y.Max = 0, 1
 	cdf.Add(plotter.NewGrid())
-	if r.Gap != nil && len(r.Gap.CDF) > 0 {
-		pts := make(plotter.XYs, 0, len(r.Gap.CDF))
-		for _, c := range r.Gap.CDF {
+	lines := 0
+	for i, g := range []*Summary{r.Gap, r.FloorGap} {
+		if g == nil || len(g.CDF) == 0 {
+			continue
+		}
+		pts := make(plotter.XYs, 0, len(g.CDF))
+		for _, c := range g.CDF {
 			pts = append(pts, plotter.XY{X: max(c[0], 0.001), Y: c[1]})
 		}
 		l, err := plotter.NewLine(pts)
 		if err != nil {
 			return err
 		}
-		l.Color = plotutil.Color(1)
+		l.Color = plotutil.Color(1 + i)
+		l.Dashes = plotutil.Dashes(i)
 		cdf.Add(l)
-	} else {
+		cdf.Legend.Add([]string{"hot key", "floor (River chain)"}[i], l)
+		lines++
+	}
+	cdf.Legend.Top, cdf.Legend.Left = false, false
+	if lines == 0 {
 		// No hot key gaps in this run (-ordering-modes without hot): an
 		// empty axis, whose log scale needs a positive range.
 		cdf.Title.Text += " (no data)"

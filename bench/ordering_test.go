@@ -1,9 +1,12 @@
 package main
 
 import (
+	"context"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
+	"time"
 )
 
 // TestOrderingPlotWithoutHotKey draws the ordering plot of a run without
@@ -22,5 +25,77 @@ func TestOrderingPlotWithoutHotKey(t *testing.T) {
 	}
 	if fi.Size() == 0 {
 		t.Fatal("empty plot")
+	}
+}
+
+// TestChainFloor runs the ordering scenario's floor of one key against a
+// real Postgres: every job of the chain runs once, in position order,
+// each after the previous one ended, and ends completed in River's table.
+func TestChainFloor(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	e, err := newEnv(ctx, &Options{URL: defaultURL(), Repo: ".."})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.close()
+	const n = 60
+	r, runs, err := chainFloorRun(ctx, e, "chain_floor_test", n, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Events != n || r.Seconds <= 0 || r.PerSecond <= 0 {
+		t.Fatalf("run = %+v", r)
+	}
+	chain := runs["chain"]
+	if len(chain) != n {
+		t.Fatalf("%d runs, want %d", len(chain), n)
+	}
+	for i, run := range chain {
+		if run.id != int64(i) {
+			t.Fatalf("run %d was position %d", i, run.id)
+		}
+	}
+	if v := violations(runs); v != 0 {
+		t.Fatalf("%d order violations", v)
+	}
+	if g := gaps(runs, time.Time{}); g == nil || g.Count != n-1 {
+		t.Fatalf("gaps = %+v, want %d", g, n-1)
+	}
+	p, err := e.pool(ctx, "chain_floor_test", 2, "chain-floor-test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	var completed, positions int
+	if err := p.QueryRow(ctx, `SELECT count(*) FILTER (WHERE state = 'completed'), count(DISTINCT (args->>'pos')::int)
+		FROM river_job WHERE kind = 'bench_chain_floor'`).Scan(&completed, &positions); err != nil {
+		t.Fatal(err)
+	}
+	if completed != n || positions != n {
+		t.Fatalf("%d completed jobs at %d positions, want %d", completed, positions, n)
+	}
+}
+
+// TestOrderingMarkdownFloor renders the floor beside the hot key, with
+// their difference.
+func TestOrderingMarkdownFloor(t *testing.T) {
+	t.Parallel()
+	r := &OrderingResults{
+		Keys: 10, PerKey: 10, Hot: 100, Workers: 4,
+		HotPerEventMs: 1.5, Gap: &Summary{P50: 1.2, P99: 4, Count: 99},
+		GapAfterHandoff: &Summary{P50: 1.1, P99: 3, Count: 50},
+		FloorPerEventMs: 1.4, FloorGap: &Summary{P50: 1.1, P99: 2.5, Count: 99},
+	}
+	md := orderingMarkdown(r)
+	for _, want := range []string{
+		"Floor of one key (a River chain",
+		"1.400 ms per event",
+		"Hot key minus the floor: +0.100 ms per event; next job's start +0.10 ms at p50, +1.50 ms at p99 (+0.50 ms after the last handoff).",
+	} {
+		if !strings.Contains(md, want) {
+			t.Errorf("markdown lacks %q:\n%s", want, md)
+		}
 	}
 }
