@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -45,8 +46,17 @@ type env struct {
 	quiet     *slog.Logger
 }
 
+// envs counts the envs of this process: the first one's database is
+// outbox_bench_<pid>, a later one's outbox_bench_<pid>_<n> (tests run
+// several at once).
+var envs atomic.Int64
+
 func newEnv(ctx context.Context, o *Options) (*env, error) {
-	e := &env{serverURL: o.URL, dbName: fmt.Sprintf("outbox_bench_%d", os.Getpid()), repo: o.Repo, keep: o.Keep}
+	name := fmt.Sprintf("outbox_bench_%d", os.Getpid())
+	if n := envs.Add(1); n > 1 {
+		name += fmt.Sprintf("_%d", n)
+	}
+	e := &env{serverURL: o.URL, dbName: name, repo: o.Repo, keep: o.Keep}
 	var err error
 	e.routes, err = route.New([]route.Rule{{Prefix: "bench.", Queues: []string{benchQueue}}})
 	if err != nil {
