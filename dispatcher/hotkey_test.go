@@ -193,13 +193,13 @@ func TestEventsPublishedDuringAWalkPassIt(t *testing.T) {
 
 // TestDispatcherWakesIdleKeys: a key's head completed by River's own
 // completion statement at REPEATABLE READ is left idle (migration 018);
-// the key's next event, handed off by the dispatcher, waits behind it,
-// and the same dispatcher's wake of idle keys releases it, in order.
+// the key's next event, handed off by a dispatcher whose wake is off, waits
+// behind it, and a dispatcher with the wake on releases it, in order.
 func TestDispatcherWakesIdleKeys(t *testing.T) {
 	t.Parallel()
-	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 8})
+	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 12})
 	ctx := pgtest.Context(t, 90*time.Second)
-	start(t, s.Pool, dispatcher.Config{PollInterval: 50 * time.Millisecond, IdleWakeInterval: 100 * time.Millisecond})
+	start(t, s.Pool, dispatcher.Config{PollInterval: 50 * time.Millisecond, IdleWakeInterval: -1})
 	ev := outbox.Event{Type: "mail.order.sent", OrderingKey: "order-42", Payload: []byte(`{}`)}
 	jobOf := func(id int64) int64 {
 		var job int64
@@ -214,6 +214,13 @@ func TestDispatcherWakesIdleKeys(t *testing.T) {
 		t.Fatal(err)
 	}
 	second := jobOf(pgtest.Publish(t, s.Pool, ev)[0])
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_key WHERE head_job_id = $1 AND idle_since IS NOT NULL`, first); n != 1 {
+		t.Fatalf("%d idle keys headed by the first job, want 1", n)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1 AND state = 'pending'`, second); n != 1 {
+		t.Fatal("the next job is not waiting behind the idle key")
+	}
+	start(t, s.Pool, dispatcher.Config{PollInterval: 50 * time.Millisecond, IdleWakeInterval: 100 * time.Millisecond})
 	pgtest.WaitFor(t, 60*time.Second, "the next job released by the wake", func() bool {
 		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1 AND state = 'available'`, second) == 1
 	})

@@ -59,9 +59,9 @@ type idleWake struct {
 	tick   time.Duration
 	life   service.Lifecycle
 
-	// woken counts the keys woken, failed the keys whose wake failed
-	// (test signals).
-	woken, failed atomic.Int64
+	// woken counts the keys woken, failed the keys whose wake failed,
+	// checks the checks made (test signals).
+	woken, failed, checks atomic.Int64
 }
 
 // Start starts the wake's goroutine.
@@ -81,10 +81,22 @@ func (w *idleWake) loop(ctx context.Context) {
 	var (
 		lastWoke, lastFail time.Time
 		unlogged           int
-		oldSchema          bool
+		// oldSchema is when a check last found the schema before 018:
+		// until a minute later the loop checks nothing (each check would
+		// put a failed statement in the server's log).
+		oldSchema time.Time
 	)
 	for {
+		if !oldSchema.IsZero() && time.Since(oldSchema) < idleLogEvery {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				continue
+			}
+		}
 		listed, woke, err := w.check(ctx)
+		w.checks.Add(1)
 		w.woken.Add(int64(woke))
 		unlogged += woke
 		if unlogged > 0 && time.Since(lastWoke) >= idleLogEvery {
@@ -99,17 +111,20 @@ func (w *idleWake) loop(ctx context.Context) {
 		case ctx.Err() != nil:
 			return
 		case err == nil:
+			oldSchema = time.Time{}
 		case errors.As(err, &pgErr) && pgErr.Code == "42703": // no idle_since: before 018
-			if !oldSchema {
-				oldSchema = true
+			if oldSchema.IsZero() {
 				w.logger.Warn("outbox: idle ordering keys are not woken: the schema predates migration 018; run `outboxctl migrate`")
 			}
+			oldSchema = time.Now()
 		case time.Since(lastFail) >= idleLogEvery:
 			lastFail = time.Now()
 			w.logger.Warn("outbox: cannot wake idle ordering keys (retrying)", slog.String("error", err.Error()))
 		}
-		if err == nil && listed == idleLimit && woke > 0 {
-			continue // more may be idle: no wait
+		if listed == idleLimit && woke > 0 {
+			// More may be idle: no wait. A key that failed is listed
+			// again, but a check that wakes none waits for the tick.
+			continue
 		}
 		select {
 		case <-ctx.Done():

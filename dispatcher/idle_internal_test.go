@@ -2,10 +2,12 @@ package dispatcher
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxhq/outbox/internal/pgtest"
@@ -153,6 +155,17 @@ func TestIdleWakePassesAKeyItCannotLock(t *testing.T) {
 	if _, err := hold.Exec(ctx, `SELECT 1 FROM river_job WHERE id = $1 FOR UPDATE`, ids["k1"]); err != nil {
 		t.Fatal(err)
 	}
+	// The wake of the held key gives up at its lock timeout, well before
+	// its statement's timeout.
+	began := time.Now()
+	_, err = (&idleWake{pool: s.Pool}).wakeKey(ctx, "", "k1", "q")
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "55P03" {
+		t.Fatalf("waking the held key: %v, want lock_not_available (55P03) from its lock timeout", err)
+	}
+	if took := time.Since(began); took >= idleKeyTimeout {
+		t.Fatalf("waking the held key took %s, want less than %s", took, idleKeyTimeout)
+	}
 	w := startIdleWake(t, s.Pool, 50*time.Millisecond)
 	pgtest.WaitFor(t, 60*time.Second, "the held key's wake fails", func() bool { return w.failed.Load() >= 1 })
 	// k1 failed; k0, after it in the list, was woken all the same.
@@ -168,5 +181,26 @@ func TestIdleWakePassesAKeyItCannotLock(t *testing.T) {
 	pgtest.WaitFor(t, 60*time.Second, "the held key is woken once free", func() bool { return available(t, s.Pool, ids["k1"]) })
 	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_key WHERE idle_since IS NOT NULL`); n != 0 {
 		t.Fatalf("%d keys still idle", n)
+	}
+}
+
+// TestIdleWakeWaitsOutAnOldSchema: on a schema before migration 018 (no
+// idle_since) the wake checks once and then not again for a minute, rather
+// than put a failed statement in the server's log at every tick.
+func TestIdleWakeWaitsOutAnOldSchema(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	if _, err := s.Pool.Exec(ctx, `ALTER TABLE outbox_ordering_key DROP COLUMN idle_since`); err != nil {
+		t.Fatal(err)
+	}
+	w := startIdleWake(t, s.Pool, 10*time.Millisecond)
+	pgtest.WaitFor(t, 30*time.Second, "the first check", func() bool { return w.checks.Load() >= 1 })
+	time.Sleep(500 * time.Millisecond) // fifty ticks
+	if n := w.checks.Load(); n != 1 {
+		t.Fatalf("%d checks within half a second of finding an old schema, want 1", n)
+	}
+	if n := w.failed.Load(); n != 0 {
+		t.Fatalf("%d keys failed, want none: the listing itself fails", n)
 	}
 }

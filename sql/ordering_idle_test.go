@@ -210,3 +210,136 @@ func TestBothCompletersLeaveTheKeyIdleAboveReadCommitted(t *testing.T) {
 		})
 	}
 }
+
+// idleKeyWithTwoInLine makes key k idle (its head completed at REPEATABLE
+// READ while a handoff queued a job behind it) with two jobs in line, and
+// returns the head and the two.
+func idleKeyWithTwoInLine(t *testing.T, ctx context.Context, s *pgtest.Schema, k string) (head, first, second int64) {
+	t.Helper()
+	rr := pgtest.IsolationPool(t, s, "repeatable read")
+	head = orderedJob(t, ctx, s.Pool, k, 1, "available")
+	handoff, _ := pgtest.OpenTx(t, ctx, s.Pool)
+	first = orderedJob(t, ctx, handoff, k, 2, "pending")
+	if err := completeJob(ctx, rr, "river", head, 10*time.Second); err != nil {
+		t.Fatalf("completing the head at repeatable read: %v", err)
+	}
+	if err := handoff.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	second = orderedJob(t, ctx, s.Pool, k, 3, "pending")
+	if found, idle := idleSince(t, ctx, s.Pool, k); !found || !idle {
+		t.Fatalf("the key's row is there %v, idle %v; want both", found, idle)
+	}
+	return head, first, second
+}
+
+// retryByHand makes a finished job available again, as River UI's or
+// Client.JobRetry's retry does, and with running, runs it as River's
+// fetch does.
+func retryByHand(t *testing.T, ctx context.Context, pool *pgxpool.Pool, id int64, running bool) {
+	t.Helper()
+	if _, err := pool.Exec(ctx, `UPDATE river_job SET state = 'available', finalized_at = NULL, scheduled_at = now() WHERE id = $1`, id); err != nil {
+		t.Fatal(err)
+	}
+	if !running {
+		return
+	}
+	if _, err := pool.Exec(ctx, `UPDATE river_job SET state = 'running', attempt = attempt + 1, attempted_at = now() WHERE id = $1`, id); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestGroupReleaseOfAnIdleKeyClearsTheMark (migration 019): the head of an
+// idle key, retried by hand and completed again by
+// outbox_ordering_complete's group path, releases the first job in line
+// and ends the idle mark, so the dispatcher's wake finds nothing to do.
+// Under 018 the mark stayed, and the wake released the second job in line
+// beside the first.
+func TestGroupReleaseOfAnIdleKeyClearsTheMark(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	head, first, second := idleKeyWithTwoInLine(t, ctx, s, "k")
+
+	retryByHand(t, ctx, s.Pool, head, false)
+	if err := completeJob(ctx, s.Pool, "function", head, 10*time.Second); err != nil {
+		t.Fatalf("completing the retried head in a group: %v", err)
+	}
+	if got := jobState(t, ctx, s.Pool, first); got != "available" {
+		t.Fatalf("the first job in line is %s, want available", got)
+	}
+	if got := keyHead(t, ctx, s.Pool, "k"); got != first {
+		t.Fatalf("the key's head is job %d, want %d", got, first)
+	}
+	if _, idle := idleSince(t, ctx, s.Pool, "k"); idle {
+		t.Fatal("the key is still marked idle after the group moved its head")
+	}
+	if wake(t, ctx, s.Pool, "k") {
+		t.Fatal("the wake found the key idle")
+	}
+	if got := jobState(t, ctx, s.Pool, second); got != "pending" {
+		t.Fatalf("the second job in line is %s while the first is its key's head, want pending", got)
+	}
+}
+
+// TestWakeLeavesARunningHeadToItsCompletion (migration 019): the wake of
+// an idle key whose head was retried by hand (and runs again) only clears
+// the mark: the next job waits for the head's completion, which releases
+// it. Under 018 the wake released it beside the running head.
+func TestWakeLeavesARunningHeadToItsCompletion(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	head, first, _ := idleKeyWithTwoInLine(t, ctx, s, "k")
+
+	retryByHand(t, ctx, s.Pool, head, true)
+	if !wake(t, ctx, s.Pool, "k") {
+		t.Fatal("the wake found no idle key")
+	}
+	if got := jobState(t, ctx, s.Pool, first); got != "pending" {
+		t.Fatalf("the first job in line is %s while the head runs again, want pending", got)
+	}
+	if found, idle := idleSince(t, ctx, s.Pool, "k"); !found || idle {
+		t.Fatalf("after the wake the key's row is there %v, idle %v; want there, not idle", found, idle)
+	}
+	if _, err := s.Pool.Exec(ctx, `UPDATE river_job SET state = 'completed', finalized_at = now() WHERE id = $1 AND state = 'running'`, head); err != nil {
+		t.Fatal(err)
+	}
+	if got := jobState(t, ctx, s.Pool, first); got != "available" {
+		t.Fatalf("the first job in line is %s after the head's completion, want available", got)
+	}
+}
+
+// TestWakeLeavesAParkedKeyParked (migration 019): a key parked after it
+// went idle (by a head retried by hand that was then discarded) stays
+// parked when the wake clears its mark; under 018 the wake released the
+// next job past the parking.
+func TestWakeLeavesAParkedKeyParked(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	head, first, _ := idleKeyWithTwoInLine(t, ctx, s, "k")
+
+	retryByHand(t, ctx, s.Pool, head, true)
+	if _, err := s.Pool.Exec(ctx, `UPDATE river_job SET state = 'discarded', finalized_at = now() WHERE id = $1`, head); err != nil {
+		t.Fatal(err)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_key WHERE ordering_key = 'k' AND parked_at IS NOT NULL`); n != 1 {
+		t.Fatalf("%d parked keys after the retried head's discard, want 1", n)
+	}
+	if _, idle := idleSince(t, ctx, s.Pool, "k"); !idle {
+		t.Fatal("the key is no longer idle after the retried head's discard: this test needs a key parked while idle")
+	}
+	if !wake(t, ctx, s.Pool, "k") {
+		t.Fatal("the wake found no idle key")
+	}
+	if _, idle := idleSince(t, ctx, s.Pool, "k"); idle {
+		t.Fatal("the key is still idle after the wake")
+	}
+	if got := jobState(t, ctx, s.Pool, first); got != "pending" {
+		t.Fatalf("the first job in line is %s while its key is parked, want pending", got)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_key WHERE ordering_key = 'k' AND parked_at IS NOT NULL`); n != 1 {
+		t.Fatalf("%d parked keys after the wake, want 1", n)
+	}
+}

@@ -276,14 +276,15 @@ func run() int {
 }
 
 // poolSize leaves room for every batch in flight plus the heartbeat,
-// retention and metrics, and for the workers.
+// retention, metrics and the wake of idle ordering keys, and for the
+// workers.
 func poolSize(cfg *config.Config) int32 {
 	if cfg.DatabaseMaxConns > 0 {
 		return int32(cfg.DatabaseMaxConns)
 	}
 	n := workerConns(cfg) + 2
 	if cfg.DispatcherEnabled {
-		n += int32(cfg.DispatchConcurrency + 4)
+		n += int32(cfg.DispatchConcurrency + 5)
 	}
 	return n
 }
