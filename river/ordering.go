@@ -62,10 +62,13 @@ func NewOrderedCompletionMiddleware() rivertype.WorkerMiddleware {
 // fallback, one job at a time when the group fails, share a 10 s
 // deadline: the workers that wait for them hold their River slots.
 //
-// Ordered jobs are never left to River's batch completer, whose statement
-// would run the release trigger for thousands of jobs at once: measured,
-// such a batch outlived River's 10 s completer timeout and was retried
-// without end. The goroutines are River's workers, each blocked in its own
+// Ordered jobs are left to River's batch completer, whose statement would
+// run the release trigger for thousands of jobs at once (measured, such a
+// batch outlived River's 10 s completer timeout and was retried without
+// end), only when their own write fails within its deadline: at most a
+// group's worth at a time. The job is completed when the chain inside this
+// middleware returns nil: a worker's own middleware, which River runs
+// outside the client's, must not turn that into an error. The goroutines are River's workers, each blocked in its own
 // Work until its completion is written (its River worker slot stays
 // taken, which slows the fetch of more jobs: backpressure); the worker
 // that writes a group is one of them. Nothing outlives them.
