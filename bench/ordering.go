@@ -421,6 +421,50 @@ func gaps(runs map[string][]orderRun, since time.Time) *Summary {
 	return summarize(h)
 }
 
+// orderingGoals are issue 11's figures, for the modes this run had, each
+// with the floor of one key beside the hot key's when it ran.
+func orderingGoals(r *OrderingResults) []Goal {
+	var g []Goal
+	var unordered, keys *OrderingRun
+	violations := 0
+	for i := range r.Runs {
+		switch r.Runs[i].Mode {
+		case ordUnordered:
+			unordered = &r.Runs[i]
+		case ordKeys:
+			keys = &r.Runs[i]
+		}
+		violations += r.Runs[i].Violations
+	}
+	if len(r.Runs) > 0 {
+		g = append(g, Goal{Name: "ordering: order violations", Target: "0", Measured: fmt.Sprint(violations), Pass: violations == 0})
+	}
+	if unordered != nil && keys != nil {
+		g = append(g, Goal{
+			Name: fmt.Sprintf("ordering: %d keys × %d vs unordered", r.Keys, r.PerKey), Target: "≥ 0.5×",
+			Measured: fmt.Sprintf("%.2f× (%.0f vs %.0f ev/s)", keys.Ratio, keys.PerSecond, unordered.PerSecond),
+			Pass:     keys.Ratio >= 0.5,
+		})
+	}
+	floor := func(s string) string { return "; floor " + s }
+	if r.Gap != nil {
+		goal := Goal{Name: "ordering: hot key, per event", Target: "≤ 2 ms", Measured: fmt.Sprintf("%.2f ms", r.HotPerEventMs), Pass: r.HotPerEventMs <= 2}
+		if r.FloorGap != nil {
+			goal.Measured += floor(fmt.Sprintf("%.2f ms", r.FloorPerEventMs))
+		}
+		g = append(g, goal)
+		goal = Goal{Name: "ordering: hot key, next job's start p99", Target: "≤ 5 ms", Measured: fmt.Sprintf("%.2f ms", r.Gap.P99), Pass: r.Gap.P99 <= 5}
+		if a := r.GapAfterHandoff; a != nil && a.Count > 0 {
+			goal.Measured += fmt.Sprintf(" (%.2f ms after the last handoff)", a.P99)
+		}
+		if r.FloorGap != nil {
+			goal.Measured += floor(fmt.Sprintf("%.2f ms", r.FloorGap.P99))
+		}
+		g = append(g, goal)
+	}
+	return g
+}
+
 // orderingMarkdown renders the scenario.
 func orderingMarkdown(r *OrderingResults) string {
 	s := fmt.Sprintf("## Per-key ordering: backlogs drained by one dispatcher and %d River workers\n\n", r.Workers)

@@ -99,3 +99,53 @@ func TestOrderingMarkdownFloor(t *testing.T) {
 		}
 	}
 }
+
+// TestOrderingGoals checks issue 11's figures against a run: the ratio of
+// many keys needs both drains, the hot key's goals carry the floor.
+func TestOrderingGoals(t *testing.T) {
+	t.Parallel()
+	r := &OrderingResults{
+		Keys: 10000, PerKey: 10,
+		Runs: []OrderingRun{
+			{Mode: ordUnordered, PerSecond: 6000, Ratio: 1},
+			{Mode: ordKeys, PerSecond: 2880, Ratio: 0.48},
+			{Mode: ordHot, PerSecond: 600, Ratio: 0.1, Violations: 0},
+		},
+		HotPerEventMs: 1.6, Gap: &Summary{P99: 5.2, Count: 10}, GapAfterHandoff: &Summary{P99: 3.1, Count: 5},
+		FloorPerEventMs: 1.5, FloorGap: &Summary{P99: 2.6, Count: 10},
+	}
+	got := map[string]Goal{}
+	for _, g := range orderingGoals(r) {
+		got[g.Name] = g
+	}
+	want := map[string]struct {
+		measured string
+		pass     bool
+	}{
+		"ordering: order violations":              {"0", true},
+		"ordering: 10000 keys × 10 vs unordered":  {"0.48× (2880 vs 6000 ev/s)", false},
+		"ordering: hot key, per event":            {"1.60 ms; floor 1.50 ms", true},
+		"ordering: hot key, next job's start p99": {"5.20 ms (3.10 ms after the last handoff); floor 2.60 ms", false},
+	}
+	if len(got) != len(want) {
+		t.Fatalf("goals %v, want %d", got, len(want))
+	}
+	for name, w := range want {
+		g, ok := got[name]
+		if !ok || g.Measured != w.measured || g.Pass != w.pass {
+			t.Errorf("%s = %+v, want measured %q pass %v", name, g, w.measured, w.pass)
+		}
+	}
+	r.Runs[2].Violations = 3
+	r.Runs = r.Runs[1:] // no unordered drain: no ratio
+	got = map[string]Goal{}
+	for _, g := range orderingGoals(r) {
+		got[g.Name] = g
+	}
+	if _, ok := got["ordering: 10000 keys × 10 vs unordered"]; ok {
+		t.Error("a ratio without the unordered drain")
+	}
+	if v := got["ordering: order violations"]; v.Pass || v.Measured != "3" {
+		t.Errorf("violations goal %+v, want 3, failed", v)
+	}
+}

@@ -21,7 +21,8 @@ type Results struct {
 	Goals []Goal       `json:"goals"`
 }
 
-// Goal is one of issue 5's targets, checked against this run.
+// Goal is one of the targets the issues name (5, 11, 13), checked against
+// this run.
 type Goal struct {
 	Name     string `json:"name"`
 	Target   string `json:"target"`
@@ -108,6 +109,9 @@ func checkGoals(r *Results) []Goal {
 	}
 	if r.Rates != nil {
 		g = append(g, rateGoals(r.Rates)...)
+	}
+	if r.Ordering != nil {
+		g = append(g, orderingGoals(r.Ordering)...)
 	}
 	for _, c := range r.Producer {
 		if c.Variant != variantShipped || c.Clients < 8 || c.State == "none" {
