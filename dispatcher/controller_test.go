@@ -100,15 +100,41 @@ func TestNextDueReadsTheClaimIndex(t *testing.T) {
 	if !strings.Contains(plan, "Limit") || !strings.Contains(plan, "Index Only Scan using outbox_event_claim_idx") {
 		t.Fatalf("nextDueSQL does not stop at the first entry of the claim index:\n%s", plan)
 	}
+	// Without the events due for long: a range of the same index.
+	rows, err = s.Pool.Query(ctx, `EXPLAIN `+strings.Replace(nextDueSinceSQL, "$1", "1", 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	plan = strings.Join(lines, "\n")
+	if !strings.Contains(plan, "Limit") || !strings.Contains(plan, "Index Only Scan using outbox_event_claim_idx") {
+		t.Fatalf("nextDueSinceSQL does not stop at the first entry of the claim index:\n%s", plan)
+	}
 	d := &Dispatcher{pool: s.Pool, logger: slog.New(slog.DiscardHandler)}
-	wait, ok := d.nextDue(ctx)
-	if !ok || wait < 90*time.Second || wait > 102*time.Second {
-		t.Fatalf("nextDue = %s, %v; want about 101 s", wait, ok)
+	for _, since := range []time.Duration{0, heldGrace} {
+		wait, ok := d.nextDue(ctx, since)
+		if !ok || wait < 90*time.Second || wait > 102*time.Second {
+			t.Fatalf("nextDue(%s) = %s, %v; want about 101 s", since, wait, ok)
+		}
+	}
+	// An event due ten seconds ago (held back behind its key, say) makes
+	// the next due time now, unless left out.
+	if _, err := s.Pool.Exec(ctx, `INSERT INTO outbox_event (event_type, payload, scheduled_at) VALUES ('mail.user.reminded', '{}', now() - interval '10 seconds')`); err != nil {
+		t.Fatal(err)
+	}
+	if wait, ok := d.nextDue(ctx, 0); !ok || wait != dueFloor {
+		t.Fatalf("nextDue(0) with an event due 10 s ago = %s, %v; want %s", wait, ok, dueFloor)
+	}
+	if wait, ok := d.nextDue(ctx, heldGrace); !ok || wait < 90*time.Second {
+		t.Fatalf("nextDue(%s) with an event due 10 s ago = %s, %v; want about 101 s", heldGrace, wait, ok)
 	}
 	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET status = 'done'`); err != nil {
 		t.Fatal(err)
 	}
-	if wait, ok := d.nextDue(ctx); ok {
+	if wait, ok := d.nextDue(ctx, 0); ok {
 		t.Fatalf("nextDue with nothing pending = %s, true; want false", wait)
 	}
 }

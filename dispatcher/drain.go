@@ -31,6 +31,10 @@ type drain struct {
 	// soon: a batch left an ordered event waiting for an earlier one that
 	// another batch holds (claim.Result.BlockedSoon).
 	soon atomic.Bool
+	// held: a batch left an ordered event waiting behind an earlier event
+	// of its key (claim.Result.Blocked). Such an event stays pending and
+	// due, and is claimed again by every pass until its key moves on.
+	held atomic.Bool
 	// frontier counts the parallel drain's live workers that claim in
 	// claim order, i.e. that do not walk a key (walk); walked holds the
 	// keys being walked (guarded by mu).
@@ -167,6 +171,9 @@ func (dr *drain) batch(key *claim.Key) (claim.Result, int, bool, error) {
 	}
 	if res.BlockedSoon {
 		dr.soon.Store(true)
+	}
+	if res.Blocked > 0 {
+		dr.held.Store(true)
 	}
 	if res.Claimed > 0 {
 		// A walk's batch does not move the drain's position: the key's

@@ -3,12 +3,14 @@ package dispatcher_test
 import (
 	"context"
 	"encoding/json"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/claim"
 	"github.com/outboxhq/outbox/dispatcher"
 	"github.com/outboxhq/outbox/internal/pgtest"
 )
@@ -226,5 +228,43 @@ func TestDispatcherWakesIdleKeys(t *testing.T) {
 	})
 	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_key WHERE head_job_id = $1 AND idle_since IS NULL`, second); n != 1 {
 		t.Fatalf("the next job heads %d keys that are not idle, want 1", n)
+	}
+}
+
+// TestHeldKeyIsNotClaimedOverAndOver: an event due but held back behind an
+// earlier event of its key that is delayed (or dead-lettered, or backing
+// off) is claimed again at the poll tick, not every 100 ms as the next due
+// time it made once said (about 30 claims in 3 s); the key moves on at the
+// earlier event's own due time.
+func TestHeldKeyIsNotClaimedOverAndOver(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 90*time.Second)
+	ev := outbox.Event{Type: "mail.order.sent", OrderingKey: "order-7", Payload: []byte(`{}`)}
+	delayed := ev
+	delayed.NotBefore = time.Now().Add(8 * time.Second)
+	first := pgtest.Publish(t, s.Pool, delayed)[0]
+	second := pgtest.Publish(t, s.Pool, ev)[0]
+	// Held for longer than the grace of a due time just passed.
+	time.Sleep(1500 * time.Millisecond)
+	var claimed atomic.Int64
+	start(t, s.Pool, dispatcher.Config{PollInterval: time.Second, OnBatch: func(r claim.Result) { claimed.Add(int64(r.Claimed)) }})
+	time.Sleep(3 * time.Second)
+	t.Logf("the held event was claimed %d times in 3 s", claimed.Load())
+	if n := claimed.Load(); n > 12 {
+		t.Fatalf("the held event was claimed %d times in 3 s, want at most about one a poll tick", n)
+	}
+	pgtest.WaitFor(t, 60*time.Second, "both events handed off once the first is due", func() bool {
+		return status(t, s.Pool, first) == "done" && status(t, s.Pool, second) == "done"
+	})
+	var a, b int64
+	if err := s.Pool.QueryRow(ctx, `SELECT (SELECT river_job_ids[1] FROM outbox_event WHERE id = $1), (SELECT river_job_ids[1] FROM outbox_event WHERE id = $2)`, first, second).Scan(&a, &b); err != nil {
+		t.Fatal(err)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_key WHERE ordering_key = 'order-7' AND head_job_id = $1`, a); n != 1 {
+		t.Fatalf("the delayed event's job %d is not its key's head", a)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1 AND state = 'pending'`, b); n != 1 {
+		t.Fatal("the second event's job does not wait behind the first's")
 	}
 }

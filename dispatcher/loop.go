@@ -6,6 +6,8 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/outboxhq/outbox/alert"
 )
 
@@ -91,6 +93,11 @@ type loop struct {
 	// waits counts consecutive drains that left an ordered event waiting
 	// for an earlier one in another batch's hands (claim.Result.BlockedSoon).
 	waits int
+	// held: the last drain or pass left ordered events waiting behind an
+	// earlier event of their key (drain.held). They are due and stay so:
+	// the next due time leaves out events due for longer than heldGrace,
+	// which the poll tick looks at again.
+	held bool
 }
 
 // runLoop runs the state machine until it reaches stopping.
@@ -134,6 +141,7 @@ func (l *loop) drain() state {
 	if wait != nil {
 		wait()
 	}
+	l.held = dr.held.Load()
 	switch {
 	case err != nil:
 		l.fail(err)
@@ -216,7 +224,9 @@ func (l *loop) idle() state {
 		case lockProducers:
 			return draining
 		case lockHeld:
-			n, _, err := d.newDrain(l.work, l.run).pass()
+			dr := d.newDrain(l.work, l.run)
+			n, _, err := dr.pass()
+			l.held = dr.held.Load()
 			if err != nil || n > 0 {
 				// Work arrived: drain without the lock.
 				d.lock.releaseLogged(l.work, d.logger)
@@ -231,8 +241,19 @@ func (l *loop) idle() state {
 
 	// The next due time is read after the lock and the re-check, so a
 	// delayed event committed later notifies (or is seen by the poll).
+	// After a pass that left events held back for their key, the events
+	// due for longer than heldGrace are left out: they are those (or in
+	// another dispatcher's batch), and a due time read from them would
+	// claim them again every dueFloor for as long as their key is held
+	// (its earlier event dead-lettered, backing off or delayed). The poll
+	// tick looks at them again; the earlier event's own due time, or an
+	// operator's requeue (whose commit notifies), moves the key on.
 	var due <-chan time.Time
-	if wait, ok := d.nextDue(l.work); ok && wait < d.cfg.PollInterval {
+	var since time.Duration
+	if l.held {
+		since = heldGrace
+	}
+	if wait, ok := d.nextDue(l.work, since); ok && wait < d.cfg.PollInterval {
 		t := time.NewTimer(wait)
 		defer t.Stop()
 		due = t.C
@@ -287,6 +308,7 @@ func (l *loop) armed() state {
 	d := l.d
 	dr := d.newDrain(l.work, l.run)
 	_, full, err := dr.pass()
+	l.held = dr.held.Load()
 	switch {
 	case err != nil:
 		// Back off without the lock, as idle's re-check does: producers
@@ -355,19 +377,39 @@ func (d *Dispatcher) wakeC() <-chan struct{} {
 // scan does.
 const nextDueSQL = `SELECT extract(epoch FROM min(scheduled_at) - clock_timestamp())::float8 FROM outbox_event WHERE status = 'pending'`
 
+// nextDueSinceSQL is nextDueSQL without the events due for longer than $1
+// seconds: a range of the same index from that time on.
+const nextDueSinceSQL = `SELECT extract(epoch FROM min(scheduled_at) - clock_timestamp())::float8 FROM outbox_event
+WHERE status = 'pending' AND scheduled_at > clock_timestamp() - make_interval(secs => $1)`
+
+// heldGrace is how long an event may have been due and still count for
+// the next due time after a pass that left events held back for their key
+// (loop.held): one that became due just now, between the pass and the
+// read, is claimed within dueFloor; older ones wait for the poll tick.
+const heldGrace = time.Second
+
 // dueFloor is the shortest sleep until a due time. A pending event that is
 // due already but was not claimed is locked by another dispatcher's batch
 // (or became due between the re-check and nextDueSQL): look again soon,
 // without spinning.
 const dueFloor = 100 * time.Millisecond
 
-// nextDue reads how long until the next pending event is due; ok is false
-// when none is pending or the query failed (the poll tick covers it).
-func (d *Dispatcher) nextDue(ctx context.Context) (time.Duration, bool) {
+// nextDue reads how long until the next pending event is due, leaving out
+// those due for longer than since when since is not 0; ok is false when
+// none is pending or the query failed (the poll tick covers it).
+func (d *Dispatcher) nextDue(ctx context.Context, since time.Duration) (time.Duration, bool) {
 	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	var secs *float64
-	if err := d.pool.QueryRow(qctx, nextDueSQL).Scan(&secs); err != nil {
+	var (
+		secs *float64
+		row  pgx.Row
+	)
+	if since > 0 {
+		row = d.pool.QueryRow(qctx, nextDueSinceSQL, since.Seconds())
+	} else {
+		row = d.pool.QueryRow(qctx, nextDueSQL)
+	}
+	if err := row.Scan(&secs); err != nil {
 		if ctx.Err() == nil {
 			d.logger.Warn("outbox could not read the next due time; relying on the poll", slog.String("error", err.Error()))
 		}
