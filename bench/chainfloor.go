@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -61,19 +60,14 @@ SELECT (SELECT count(*) FROM done),
 // completes the job and inserts the next in one statement.
 type chainFloorWorker struct {
 	river.WorkerDefaults[chainFloorArgs]
-	pool   *pgxpool.Pool
-	mu     sync.Mutex
-	runs   map[string][]orderRun
-	worked atomic.Int64
-	err    atomic.Pointer[error]
+	runLog
+	pool *pgxpool.Pool
+	err  atomic.Pointer[error]
 }
 
 func (w *chainFloorWorker) Work(ctx context.Context, job *river.Job[chainFloorArgs]) error {
 	start := time.Now()
-	end := time.Now()
-	w.mu.Lock()
-	w.runs["chain"] = append(w.runs["chain"], orderRun{id: int64(job.Args.Pos), start: start, end: end})
-	w.mu.Unlock()
+	w.add("chain", orderRun{id: int64(job.Args.Pos), start: start, end: time.Now()})
 	var completed, notified int64
 	var sc string
 	if err := w.pool.QueryRow(ctx, chainFloorSQL, job.ID, job.Args.Pos, job.Args.N).Scan(&completed, &notified, &sc); err != nil || completed != 1 {
@@ -102,7 +96,7 @@ func chainFloorRun(ctx context.Context, e *env, schema string, n, workers int) (
 		return r, nil, err
 	}
 	defer wp.Close()
-	w := &chainFloorWorker{pool: wp, runs: map[string][]orderRun{}}
+	w := &chainFloorWorker{pool: wp}
 	ws := river.NewWorkers()
 	river.AddWorker(ws, w)
 	ow, err := newOrderingWorkers(e, p, wp, ws, workers)
@@ -128,14 +122,5 @@ func chainFloorRun(ctx context.Context, e *env, schema string, n, workers int) (
 	if err != nil {
 		return r, nil, fmt.Errorf("chain floor: %w", err)
 	}
-	srv1, self1 := backendCPU(ctx, p), selfCPUSeconds()
-	r.ServerCPUms = backendCPUSince(srv0, srv1) * 1e6 / float64(n)
-	r.BenchCPUms = (self1 - self0) * 1e6 / float64(n)
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	runs := w.runs
-	last := runs["chain"][len(runs["chain"])-1].start
-	r.Seconds = last.Sub(start).Seconds()
-	r.PerSecond = float64(n) / r.Seconds
-	return r, runs, nil
+	return r, w.finish(ctx, p, &r, srv0, self0, start), nil
 }

@@ -10,19 +10,27 @@ import (
 	"github.com/outboxhq/outbox/internal/pgtest"
 )
 
+// testEnv makes an env on the test server, closed when the test ends, and
+// a context that ends within two minutes.
+func testEnv(t *testing.T) (context.Context, *env) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	t.Cleanup(cancel)
+	e, err := newEnv(ctx, &Options{URL: defaultURL(), Repo: ".."})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(e.close)
+	return ctx, e
+}
+
 // TestFloorRelay runs the latency scenario's floor relay against a real
 // Postgres: every event published after it started is handed off once,
 // as one River job of the bench queue whose args decode as the outbox's,
 // worked by River, and marked done with that job's id.
 func TestFloorRelay(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	e, err := newEnv(ctx, &Options{URL: defaultURL(), Repo: ".."})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer e.close()
+	ctx, e := testEnv(t)
 	p, err := e.migrated(ctx, "floor_test", 8)
 	if err != nil {
 		t.Fatal(err)

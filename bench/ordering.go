@@ -47,8 +47,8 @@ type OrderingResults struct {
 	// HotPerEventMs is the hot key's drain time per event (its jobs do
 	// nothing, so this is the whole cost of one event's turn).
 	HotPerEventMs float64 `json:"hot_key_ms_per_event"`
-	// FloorPerEventMs and FloorGap are HotPerEventMs and GapAfterHandoff
-	// of the floor of one key (ordChainFloor): a River chain of Hot jobs,
+	// FloorPerEventMs and FloorGap are HotPerEventMs and Gap of the floor
+	// of one key (ordChainFloor): a River chain of Hot jobs,
 	// each inserting its successor as it completes.
 	FloorPerEventMs float64  `json:"floor_ms_per_event,omitempty"`
 	FloorGap        *Summary `json:"floor_next_job_start,omitempty"`
@@ -91,14 +91,51 @@ const (
 // position.
 type orderWorker struct {
 	river.WorkerDefaults[outboxriver.EventArgs]
-	mu     sync.Mutex
-	runs   map[string][]orderRun
-	worked atomic.Int64
+	runLog
 }
 
 type orderRun struct {
 	id         int64
 	start, end time.Time
+}
+
+// runLog is what the ordering scenario's workers record: each job's Work,
+// by key, in the order they began, and how many jobs were worked.
+type runLog struct {
+	mu     sync.Mutex
+	runs   map[string][]orderRun
+	worked atomic.Int64
+}
+
+func (l *runLog) add(key string, run orderRun) {
+	l.mu.Lock()
+	if l.runs == nil {
+		l.runs = map[string][]orderRun{}
+	}
+	l.runs[key] = append(l.runs[key], run)
+	l.mu.Unlock()
+}
+
+// finish sets r's CPU per 1,000 events since srv0 and self0 (backendCPU
+// of p, selfCPUSeconds) and its time from start to the last job's start,
+// and returns the runs.
+func (l *runLog) finish(ctx context.Context, p *pgxpool.Pool, r *OrderingRun, srv0 map[int]float64, self0 float64, start time.Time) map[string][]orderRun {
+	srv1, self1 := backendCPU(ctx, p), selfCPUSeconds()
+	r.ServerCPUms = backendCPUSince(srv0, srv1) * 1e6 / float64(r.Events)
+	r.BenchCPUms = (self1 - self0) * 1e6 / float64(r.Events)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var last time.Time
+	for _, runs := range l.runs {
+		for _, run := range runs {
+			if run.start.After(last) {
+				last = run.start
+			}
+		}
+	}
+	r.Seconds = last.Sub(start).Seconds()
+	r.PerSecond = float64(r.Events) / r.Seconds
+	return l.runs
 }
 
 // orderingModeNames are the modes -ordering-modes selects from, in the
@@ -111,10 +148,7 @@ func (w *orderWorker) Work(_ context.Context, job *river.Job[outboxriver.EventAr
 	if job.Args.OrderingKey != nil {
 		key = *job.Args.OrderingKey
 	}
-	end := time.Now()
-	w.mu.Lock()
-	w.runs[key] = append(w.runs[key], orderRun{id: job.Args.EventID, start: start, end: end})
-	w.mu.Unlock()
+	w.add(key, orderRun{id: job.Args.EventID, start: start, end: time.Now()})
 	w.worked.Add(1)
 	return nil
 }
@@ -155,11 +189,7 @@ func runOrdering(ctx context.Context, e *env, o *Options) (*OrderingResults, err
 		if s.mode == ordChainFloor {
 			r, runs, err = chainFloorRun(ctx, e, fmt.Sprintf("ordering_%d", i), s.events, res.Workers)
 		} else {
-			var w *orderWorker
-			r, w, err = orderingRun(ctx, e, fmt.Sprintf("ordering_%d", i), s.events, s.keys, s.noTriggers, res.Workers)
-			if w != nil {
-				runs = w.runs
-			}
+			r, runs, err = orderingRun(ctx, e, fmt.Sprintf("ordering_%d", i), s.events, s.keys, s.noTriggers, res.Workers)
 		}
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", s.mode, err)
@@ -205,7 +235,7 @@ func runOrdering(ctx context.Context, e *env, o *Options) (*OrderingResults, err
 // orderingRun loads a backlog of n events (keyed round-robin over keys
 // keys, or without keys) into a fresh schema, then starts the workers and
 // the dispatcher and times the drain to the last job's start.
-func orderingRun(ctx context.Context, e *env, schema string, n, keys int, noTriggers bool, workers int) (OrderingRun, *orderWorker, error) {
+func orderingRun(ctx context.Context, e *env, schema string, n, keys int, noTriggers bool, workers int) (OrderingRun, map[string][]orderRun, error) {
 	r := OrderingRun{Events: n}
 	p, err := e.migrated(ctx, schema, 24)
 	if err != nil {
@@ -227,7 +257,7 @@ func orderingRun(ctx context.Context, e *env, schema string, n, keys int, noTrig
 		return r, nil, err
 	}
 
-	w := &orderWorker{runs: map[string][]orderRun{}}
+	w := &orderWorker{}
 	ws := river.NewWorkers()
 	river.AddWorker(ws, w)
 	wp, err := e.pool(ctx, schema, int32(workers/2+8), appWorkers)
@@ -274,22 +304,7 @@ func orderingRun(ctx context.Context, e *env, schema string, n, keys int, noTrig
 	if err != nil {
 		return r, nil, err
 	}
-	srv1, self1 := backendCPU(ctx, p), selfCPUSeconds()
-	r.ServerCPUms = backendCPUSince(srv0, srv1) * 1e6 / float64(n)
-	r.BenchCPUms = (self1 - self0) * 1e6 / float64(n)
-	var last time.Time
-	w.mu.Lock()
-	for _, runs := range w.runs {
-		for _, run := range runs {
-			if run.start.After(last) {
-				last = run.start
-			}
-		}
-	}
-	w.mu.Unlock()
-	r.Seconds = last.Sub(start).Seconds()
-	r.PerSecond = float64(n) / r.Seconds
-	return r, w, nil
+	return r, w.finish(ctx, p, &r, srv0, self0, start), nil
 }
 
 // orderingWorkers are the River workers of the ordering scenario's

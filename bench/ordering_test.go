@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"os"
 	"path/filepath"
 	"strings"
@@ -33,13 +32,7 @@ func TestOrderingPlotWithoutHotKey(t *testing.T) {
 // each after the previous one ended, and ends completed in River's table.
 func TestChainFloor(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	e, err := newEnv(ctx, &Options{URL: defaultURL(), Repo: ".."})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer e.close()
+	ctx, e := testEnv(t)
 	const n = 60
 	r, runs, err := chainFloorRun(ctx, e, "chain_floor_test", n, 4)
 	if err != nil {

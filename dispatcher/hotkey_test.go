@@ -242,11 +242,14 @@ func TestHeldKeyIsNotClaimedOverAndOver(t *testing.T) {
 	ctx := pgtest.Context(t, 90*time.Second)
 	ev := outbox.Event{Type: "mail.order.sent", OrderingKey: "order-7", Payload: []byte(`{}`)}
 	delayed := ev
-	delayed.NotBefore = time.Now().Add(8 * time.Second)
+	delayed.NotBefore = time.Now().Add(6 * time.Second)
 	first := pgtest.Publish(t, s.Pool, delayed)[0]
 	second := pgtest.Publish(t, s.Pool, ev)[0]
-	// Held for longer than the grace of a due time just passed.
-	time.Sleep(1500 * time.Millisecond)
+	// Due for longer than the grace of a due time just passed, as a held
+	// event usually is.
+	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET scheduled_at = now() - interval '10 seconds' WHERE id = $1`, second); err != nil {
+		t.Fatal(err)
+	}
 	var claimed atomic.Int64
 	start(t, s.Pool, dispatcher.Config{PollInterval: time.Second, OnBatch: func(r claim.Result) { claimed.Add(int64(r.Claimed)) }})
 	time.Sleep(3 * time.Second)

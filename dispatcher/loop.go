@@ -379,8 +379,7 @@ const nextDueSQL = `SELECT extract(epoch FROM min(scheduled_at) - clock_timestam
 
 // nextDueSinceSQL is nextDueSQL without the events due for longer than $1
 // seconds: a range of the same index from that time on.
-const nextDueSinceSQL = `SELECT extract(epoch FROM min(scheduled_at) - clock_timestamp())::float8 FROM outbox_event
-WHERE status = 'pending' AND scheduled_at > clock_timestamp() - make_interval(secs => $1)`
+const nextDueSinceSQL = nextDueSQL + ` AND scheduled_at > clock_timestamp() - make_interval(secs => $1)`
 
 // heldGrace is how long an event may have been due and still count for
 // the next due time after a pass that left events held back for their key
