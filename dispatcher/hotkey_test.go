@@ -135,8 +135,11 @@ func TestDrainGoesPastALockHeldForLong(t *testing.T) {
 // claim order, find the next ones held back and go on past them. Before the
 // batch that hands the key's events off went on with the key's next events
 // (drain.walk), it went on past them too: the key got one batch per drain,
-// and each drain claimed the rest of the backlog again (here about 300
-// claims, with the walk about 65; the limit is 90).
+// and each drain claimed the rest of the backlog again: here about 290
+// claim transactions, with the walk 35-65 on a quiet machine and up to 108
+// seen in a CI run of the whole suite in parallel. The limit, 180, lies
+// between the two, so that a busy machine does not fail the test and a
+// drain without the walk still does.
 func TestHotKeyBacklogIsWalked(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 20})
@@ -147,7 +150,8 @@ func TestHotKeyBacklogIsWalked(t *testing.T) {
 		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done'`) == n
 	})
 	st := d.Stats()
-	if limit := int64(3 * n / batch); st.Passes > limit {
+	t.Logf("%d claim transactions (stats %+v)", st.Passes, st)
+	if limit := int64(6 * n / batch); st.Passes > limit {
 		t.Fatalf("%d claim transactions for a backlog of %d events of one key in batches of %d, want at most %d (stats %+v)", st.Passes, n, batch, limit, st)
 	}
 	// The jobs were inserted in the key's order: job ids rise with the
