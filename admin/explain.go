@@ -68,15 +68,20 @@ type Explanation struct {
 
 // EventDetail is one outbox_event row.
 type EventDetail struct {
-	ID          int64      `json:"id"`
-	Type        string     `json:"event_type"`
-	TenantID    *string    `json:"tenant_id"`
-	DispatchKey *string    `json:"dispatch_key"`
-	Status      string     `json:"status"`
-	Retries     int        `json:"retries"`
-	LastError   *string    `json:"last_error"`
-	CreatedAt   time.Time  `json:"created_at"`
-	ScheduledAt time.Time  `json:"scheduled_at"`
+	ID          int64     `json:"id"`
+	Type        string    `json:"event_type"`
+	TenantID    *string   `json:"tenant_id"`
+	DispatchKey *string   `json:"dispatch_key"`
+	Status      string    `json:"status"`
+	Retries     int       `json:"retries"`
+	LastError   *string   `json:"last_error"`
+	CreatedAt   time.Time `json:"created_at"`
+	ScheduledAt time.Time `json:"scheduled_at"`
+	// HeldFrom is the event's own due time when the dispatcher moved
+	// ScheduledAt to wait for an earlier event of its ordering key
+	// (migration 021, docs/ordering.md "Held in the outbox"); nil when it
+	// was never moved, or was put back.
+	HeldFrom    *time.Time `json:"held_from,omitempty"`
 	LockedUntil *time.Time `json:"locked_until"`
 	ProcessedAt *time.Time `json:"processed_at"`
 	// OrderingKey and OrderingPosition are nil for an event without an
@@ -148,11 +153,13 @@ type Receipt struct {
 	Result json.RawMessage `json:"result,omitempty"`
 }
 
+// explainEventSQL reads held_from through to_jsonb, so that it reads a
+// schema before migration 021 too (as NULL).
 const explainEventSQL = `
 SELECT id, event_type, tenant_id, dispatch_key, status::text, retries, last_error,
        created_at, scheduled_at, locked_until, processed_at, coalesce(river_job_ids, '{}'), payload::text, now(),
-       ordering_key, ordering_position
-FROM outbox_event WHERE id = $1`
+       ordering_key, ordering_position, (to_jsonb(e) ->> 'held_from')::timestamptz
+FROM outbox_event e WHERE id = $1`
 
 // explainJobsSQL reads the jobs by primary key: the handoff recorded their
 // ids in outbox_event.river_job_ids, so nothing scans river_job by args.
@@ -228,7 +235,7 @@ func (c *Client) explainEvent(ctx context.Context, id int64) (*Explanation, erro
 	var payload string
 	err := c.pool.QueryRow(ctx, explainEventSQL, id).Scan(&e.ID, &e.Type, &e.TenantID, &e.DispatchKey, &e.Status, &e.Retries, &e.LastError,
 		&e.CreatedAt, &e.ScheduledAt, &e.LockedUntil, &e.ProcessedAt, &e.RiverJobIDs, &payload, &res.AsOf,
-		&e.OrderingKey, &e.OrderingPosition)
+		&e.OrderingKey, &e.OrderingPosition, &e.HeldFrom)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, &notFoundError{id: id}
 	}

@@ -368,6 +368,14 @@ func TestExplainShowsTheOrder(t *testing.T) {
 		o.FirstFailed == nil || o.FirstFailed.ID != held[0] || len(o.Queues) != 0 {
 		t.Fatalf("held in the outbox: %+v (waits for %+v, first failed %+v)", o, o.WaitsFor, o.FirstFailed)
 	}
+	// The handoff found it held behind a dead letter and moved its due
+	// time (migration 021): explain shows its own.
+	if ex.Event.HeldFrom == nil || !ex.Event.ScheduledAt.After(*ex.Event.HeldFrom) {
+		t.Fatalf("held in the outbox: due %s, held from %v, want its own due time before the moved one", ex.Event.ScheduledAt, ex.Event.HeldFrom)
+	}
+	if ex, err = cl.Explain(ctx, held[0], admin.ExplainOpts{}); err != nil || ex.Event.HeldFrom != nil {
+		t.Fatalf("the failed event itself: held from %v (%v), want none", ex.Event.HeldFrom, err)
+	}
 
 	// An event without a key has no ordering.
 	plain := pgtest.Publish(t, s.Pool, outbox.Event{Type: "order.item.changed", Payload: json.RawMessage(`{}`)})

@@ -267,6 +267,55 @@ SET status = 'failed', locked_until = NULL, retries = retries + 1,
     last_error = 'no route matches event type ' || event_type || ': add a rule to the routes file, then requeue'
 WHERE id = ANY($1::bigint[])`
 
+// holdSQL moves the due time of events held back for their ordering key
+// ($1, ids locked by this batch) to when the event they wait for can move
+// (migration 021): the earliest unfinished earlier event of the key, read
+// after this batch's own handoffs and failures in the transaction. Behind
+// a pending event that is not due (delayed, backing off), to its due time;
+// behind a failed (dead-lettered) or processing one, by holdFor, since only
+// an operator moves it, and outbox_event_unhold then puts the held events
+// back at once. held_from keeps the event's own due time. An event whose
+// earlier event is pending and due (another batch holds it), or that no
+// longer waits, is left as it is. It returns how many events it moved.
+const holdSQL = `
+WITH h AS (
+    SELECT e.id, w.status, w.scheduled_at AS until
+    FROM outbox_event e
+    CROSS JOIN LATERAL (
+        SELECT p.status, p.scheduled_at
+        FROM outbox_event p
+        WHERE COALESCE(p.tenant_id, '') = COALESCE(e.tenant_id, '') AND p.ordering_key = e.ordering_key
+          AND p.status IN ('pending', 'processing', 'failed')
+          AND p.ordering_position < e.ordering_position
+        ORDER BY p.ordering_position
+        LIMIT 1
+    ) w
+    WHERE e.id = ANY($1::bigint[]) AND e.status = 'pending' AND e.ordering_key IS NOT NULL
+      AND NOT (w.status = 'pending' AND w.scheduled_at <= now())
+),
+moved AS (
+    UPDATE outbox_event e
+    SET held_from = COALESCE(e.held_from, e.scheduled_at),
+        scheduled_at = GREATEST(e.scheduled_at,
+                                CASE WHEN h.status = 'pending' THEN h.until ELSE now() + make_interval(secs => $2) END)
+    FROM h
+    WHERE e.id = h.id
+    RETURNING 1
+)
+SELECT count(*) FROM moved`
+
+// holdFor is how far holdSQL moves an event held behind a failed
+// (dead-lettered) one: a held key's backlog is claimed once per holdFor
+// instead of at every poll, and an operator's requeue or cancel of the
+// failed event puts it back at once (outbox_event_unhold).
+const holdFor = time.Minute
+
+// holdColumnSQL reports whether migration 021 (held_from, and the trigger
+// that puts held events back) is applied.
+const holdColumnSQL = `SELECT EXISTS (
+    SELECT 1 FROM pg_attribute
+    WHERE attrelid = 'outbox_event'::regclass AND attname = 'held_from' AND NOT attisdropped)`
+
 // recordFailureSQL records one failed attempt. Backoff is 1, 2, 4, 8, 16, 32
 // minutes for the 1st to 6th failure (then 32); after more than $3 failures
 // the event is dead-lettered as failed. The status guard leaves an event
@@ -338,6 +387,10 @@ type Handoff struct {
 	// plainLeft counts down the batches that use the plain claim after
 	// one in which the statement handed nothing off (plainBatches).
 	plainLeft atomic.Int32
+	// holds says whether the schema has migration 021 (holdSQL): 0 not
+	// known yet, 1 yes, 2 no, looked at again after holdCheckAt (Unix ns).
+	holds       atomic.Int32
+	holdCheckAt atomic.Int64
 }
 
 // Result summarises one batch.
@@ -373,6 +426,11 @@ type Result struct {
 	// pending and due: another batch holds it, so claiming again shortly
 	// hands the waiting one off.
 	BlockedSoon bool
+	// Held of the Blocked events wait for an earlier event of their key
+	// that cannot move before a due time of its own (delayed, backing off)
+	// or an operator's hand (dead-lettered): their due time was moved so
+	// that claims leave them alone meanwhile (holdSQL).
+	Held int
 	// Handed lists the handed-off events: those the claim statement
 	// handed off in claim order, then the Go handoff's (metrics count them
 	// by route and time them; benchmarks time each by id).
@@ -420,6 +478,7 @@ func (r *Result) add(o Result) {
 	r.DeadLettered += o.DeadLettered
 	r.Skipped += o.Skipped
 	r.Blocked += o.Blocked
+	r.Held += o.Held
 	r.BlockedSoon = r.BlockedSoon || o.BlockedSoon
 	r.TimedOut += o.TimedOut
 	r.Handed = append(r.Handed, o.Handed...)
@@ -1039,6 +1098,9 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		anyKeyed bool
 		// keyDone counts the handed-off events per key (Result.TopKey).
 		keyDone map[orderingScope]int
+		// hold lists the blocked events that wait for an event that is
+		// not about to move (holdSQL).
+		hold []int64
 	)
 	events = inKeyOrder(events)
 	for i := range events {
@@ -1047,6 +1109,9 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		if e.blocked || (keyed && stopped[scope]) {
 			res.Blocked++
 			res.BlockedSoon = res.BlockedSoon || e.soon
+			if !e.soon {
+				hold = append(hold, e.ID)
+			}
 			continue
 		}
 		if e.fault != "" {
@@ -1134,6 +1199,17 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		final = append(final, queued{what: "dead-letter broken rows", sql: markBrokenSQL, args: []any{ids, msgs}})
 		res.Broken = len(broken)
 	}
+	var held int64
+	if len(hold) > 0 {
+		// After the statements above: holdSQL reads what they wrote.
+		ok, err := h.canHold(ctx, tx)
+		if err != nil {
+			return res, nil, err
+		}
+		if ok {
+			final = append(final, queued{what: "hold back events for their key", sql: holdSQL, args: []any{hold, holdFor.Seconds()}, row: []any{&held}})
+		}
+	}
 	check := func() error {
 		if len(params) > 0 && (counts[0] != int64(len(params)) || counts[1] != int64(res.Done) || counts[2] != int64(len(params))) {
 			return fmt.Errorf("insert River jobs and mark events done: %d jobs inserted for %d, %d events marked done for %d, %d job ids recorded for %d",
@@ -1144,8 +1220,34 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 	if err := finish(ctx, tx, final, check); err != nil {
 		return res, nil, err
 	}
+	res.Held = int(held)
 	h.alertBroken(ctx, broken)
 	return res, unroutable, nil
+}
+
+// canHold reports whether the schema has migration 021, which holdSQL
+// needs: it looks once, in tx, and on an older schema again once a
+// minute; meanwhile held events are claimed at every poll, as before.
+func (h *Handoff) canHold(ctx context.Context, tx pgx.Tx) (bool, error) {
+	switch h.holds.Load() {
+	case 1:
+		return true, nil
+	case 2:
+		if time.Now().UnixNano() < h.holdCheckAt.Load() {
+			return false, nil
+		}
+	}
+	var ok bool
+	if err := tx.QueryRow(ctx, holdColumnSQL).Scan(&ok); err != nil {
+		return false, fmt.Errorf("look for migration 021: %w", err)
+	}
+	if ok {
+		h.holds.Store(1)
+	} else {
+		h.holdCheckAt.Store(time.Now().Add(time.Minute).UnixNano())
+		h.holds.Store(2)
+	}
+	return ok, nil
 }
 
 // jobLock is the key row an ordered job locks when it is inserted: the

@@ -116,7 +116,9 @@ func TestClaimWaitsForEarlierEventHeldByAnotherBatch(t *testing.T) {
 // TestClaimWaitsForEarlierEventNotYetDue: an event behind an earlier event
 // of its key that is not due yet (NotBefore) waits, without BlockedSoon
 // (nothing will hand the earlier one off shortly), until the earlier one is
-// due; then both go in order.
+// due; then both go in order. The batch that finds it held moves its due
+// time to the earlier event's (Held, migration 021), so the next claim
+// leaves it alone; an earlier due time for the earlier event puts it back.
 func TestClaimWaitsForEarlierEventNotYetDue(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
@@ -125,10 +127,16 @@ func TestClaimWaitsForEarlierEventNotYetDue(t *testing.T) {
 	first := later
 	first.NotBefore = time.Now().Add(time.Hour)
 	ids := pgtest.Publish(t, s.Pool, first, later)
-	for range 2 {
-		if res := batch(t, h); res.Claimed != 1 || res.Blocked != 1 || res.BlockedSoon || res.Done != 0 {
-			t.Fatalf("batch with the head not due: %+v, want the later event blocked (not soon)", res)
-		}
+	if res := batch(t, h); res.Claimed != 1 || res.Blocked != 1 || res.Held != 1 || res.BlockedSoon || res.Done != 0 {
+		t.Fatalf("batch with the head not due: %+v, want the later event blocked (not soon) and held", res)
+	}
+	if n := pgtest.Count(t, s.Pool, `
+		SELECT count(*) FROM outbox_event l, outbox_event f
+		WHERE l.id = $1 AND f.id = $2 AND l.scheduled_at = f.scheduled_at AND l.held_from < f.scheduled_at`, ids[1], ids[0]); n != 1 {
+		t.Fatal("the later event's due time is not the head's, or its own is not kept")
+	}
+	if res := batch(t, h); res.Claimed != 0 {
+		t.Fatalf("batch after the later event was held: %+v, want nothing claimed", res)
 	}
 	wantStatus(t, s.Pool, "the later event", ids[1], "pending", 0, 0)
 	if _, err := s.Pool.Exec(context.Background(), `UPDATE outbox_event SET scheduled_at = now() - interval '1 second' WHERE id = $1`, ids[0]); err != nil {
@@ -143,10 +151,12 @@ func TestClaimWaitsForEarlierEventNotYetDue(t *testing.T) {
 // TestClaimWaitsBehindDeadLetteredEvent: an event whose River insert fails
 // is dead-lettered (MaxRetries 0) in the event-by-event fallback, and the
 // later event of its key, in the same batch, is skipped there without
-// being charged. Later batches keep it pending (Blocked, not soon) while
-// the earlier event is failed; a requeue (outbox_requeue) lets both go, in
-// order. A second key whose failed head is cancelled (admin.Cancel) lets
-// its later event go too.
+// being charged. The next batch keeps it pending (Blocked, not soon) and
+// moves its due time a minute on (Held, migration 021), so later batches
+// leave it alone while the earlier event is failed; a requeue
+// (outbox_requeue) puts it back and lets both go, in order. A second key
+// whose failed head is cancelled (admin.Cancel) lets its later event go
+// too.
 func TestClaimWaitsBehindDeadLetteredEvent(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
@@ -167,10 +177,11 @@ func TestClaimWaitsBehindDeadLetteredEvent(t *testing.T) {
 			t.Errorf("the skipped event %d got last_error %q", id, r.lastError)
 		}
 	}
-	for range 2 {
-		if res := batch(t, h); res.Claimed != 2 || res.Blocked != 2 || res.BlockedSoon || res.Done != 0 {
-			t.Fatalf("batch behind dead-lettered heads: %+v, want both later events blocked (not soon)", res)
-		}
+	if res := batch(t, h); res.Claimed != 2 || res.Blocked != 2 || res.Held != 2 || res.BlockedSoon || res.Done != 0 {
+		t.Fatalf("batch behind dead-lettered heads: %+v, want both later events blocked (not soon) and held", res)
+	}
+	if res := batch(t, h); res.Claimed != 0 {
+		t.Fatalf("batch after the later events were held: %+v, want nothing claimed", res)
 	}
 
 	if _, err := s.Pool.Exec(ctx, `DROP TRIGGER reject_poison ON river_job`); err != nil {
@@ -201,8 +212,8 @@ func TestClaimWaitsBehindDeadLetteredEvent(t *testing.T) {
 // TestUnroutableEventStopsItsKeyInTheBatch: an unroutable keyed event is
 // failed at once, and the later events of its key in the same batch stay
 // pending (Blocked), not failed, while other keys and unkeyed events of the
-// batch are handed off. They wait behind the failed event until it is
-// cancelled.
+// batch are handed off. They wait behind the failed event, held out of the
+// claim (migration 021), until it is cancelled.
 func TestUnroutableEventStopsItsKeyInTheBatch(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
@@ -213,8 +224,8 @@ func TestUnroutableEventStopsItsKeyInTheBatch(t *testing.T) {
 		keyed("", "k"), keyed("", "k"), keyed("", "other"), outbox.Event{Type: "mail.a.b"})
 
 	res := batch(t, h)
-	if res.Unroutable != 1 || res.Blocked != 2 || res.Done != 2 || res.Fallback {
-		t.Fatalf("batch: %+v, want 1 unroutable, 2 blocked, 2 done", res)
+	if res.Unroutable != 1 || res.Blocked != 2 || res.Held != 2 || res.Done != 2 || res.Fallback {
+		t.Fatalf("batch: %+v, want 1 unroutable, 2 blocked and held, 2 done", res)
 	}
 	if r := get(t, s.Pool, ids[0]); r.status != "failed" {
 		t.Errorf("the unroutable event = %+v, want failed", r)
@@ -224,8 +235,8 @@ func TestUnroutableEventStopsItsKeyInTheBatch(t *testing.T) {
 	wantStatus(t, s.Pool, "the event of another key", ids[3], "done", 0, 1)
 	wantStatus(t, s.Pool, "the event without a key", ids[4], "done", 0, 1)
 
-	if res := batch(t, h); res.Blocked != 2 || res.Done != 0 || res.Unroutable != 0 {
-		t.Fatalf("next batch: %+v, want both later events still blocked", res)
+	if res := batch(t, h); res.Claimed != 0 {
+		t.Fatalf("next batch: %+v, want nothing claimed: both later events are held", res)
 	}
 	if _, err := s.Pool.Exec(ctx, `SELECT * FROM outbox_cancel('test', false, ids => $1)`, []int64{ids[0]}); err != nil {
 		t.Fatal(err)

@@ -86,6 +86,9 @@ func printExplain(w io.Writer, res *admin.Explanation) {
 		fmt.Fprintf(w, "  handed off    %s  (%s after created)\n", fmtTime(e.ProcessedAt), e.ProcessedAt.Sub(e.CreatedAt).Round(time.Microsecond))
 	} else {
 		fmt.Fprintf(w, "  scheduled     %s\n", fmtTime(&e.ScheduledAt))
+		if e.HeldFrom != nil {
+			fmt.Fprintf(w, "  held from     %s  (its own due time; moved to wait for an earlier event of its key)\n", fmtTime(e.HeldFrom))
+		}
 	}
 	fmt.Fprintf(w, "  retries       %d\n", e.Retries)
 	if e.LastError != nil {

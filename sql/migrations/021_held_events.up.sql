@@ -1,0 +1,79 @@
+-- 021: events held back for their ordering key leave the claim until the
+-- event they wait for can move (docs/ordering.md, "Held in the outbox").
+--
+-- An event of a key is handed off only after every earlier event of its
+-- key (migration 011). When the earliest unfinished one is dead-lettered,
+-- backs off after a failed attempt, or is delayed, the key's later events
+-- are due but held, and every claim that reached them locked them, found
+-- them held and let them go: a backlog of 10,000 held events was claimed
+-- about 16,000 times a second, as long as the key stayed held.
+--
+-- The claim now moves such an event's due time, once:
+--
+-- - behind a pending event that is not due (delayed, or backing off), to
+--   that event's due time;
+-- - behind a dead-lettered (failed) or processing event, by a minute: it
+--   can move only by an operator's hand (requeue, cancel), which the
+--   trigger below answers at once; the minute bounds the wait when it
+--   moves any other way (a DELETE by hand is answered too).
+--
+-- held_from keeps the event's own due time, the first time it is moved.
+-- When the event it waits for changes status from failed or processing
+-- (requeued, cancelled, rescued), is cancelled while pending, gets an
+-- earlier due time, or is deleted, outbox_event_unhold puts the key's held
+-- events back to their own due time and wakes a dispatcher. The handoff of
+-- a pending event (pending to done) fires nothing: the events held behind
+-- it were moved to its own due time.
+--
+-- The column is nullable without a default: adding it rewrites nothing.
+
+BEGIN;
+SET LOCAL lock_timeout = '10s';
+
+ALTER TABLE outbox_event ADD COLUMN IF NOT EXISTS held_from timestamptz;
+
+COMMENT ON COLUMN outbox_event.held_from IS
+    'the event''s own due time, set when the dispatcher moved scheduled_at to wait for an earlier event of its ordering key (migration 021)';
+
+CREATE OR REPLACE FUNCTION outbox_event_unhold() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER AS $$
+BEGIN
+    UPDATE outbox_event e
+    SET scheduled_at = e.held_from, held_from = NULL
+    WHERE COALESCE(e.tenant_id, '') = COALESCE(OLD.tenant_id, '') AND e.ordering_key = OLD.ordering_key
+      AND e.status = 'pending' AND e.held_from IS NOT NULL
+      AND e.ordering_position > OLD.ordering_position;
+    -- As outbox_wake: notify only when a dispatcher is idle-waiting.
+    IF FOUND AND NOT pg_try_advisory_xact_lock_shared(1868720215, hashtext('outbox_wake:' || TG_TABLE_SCHEMA)) THEN
+        PERFORM pg_notify('outbox_wake', TG_TABLE_SCHEMA);
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+DROP TRIGGER IF EXISTS outbox_event_unhold ON outbox_event;
+CREATE TRIGGER outbox_event_unhold
+    AFTER UPDATE OF status, scheduled_at ON outbox_event
+    FOR EACH ROW WHEN (
+        OLD.ordering_key IS NOT NULL
+        -- not the trigger's own update of a held event
+        AND NOT (OLD.held_from IS NOT NULL AND NEW.held_from IS NULL)
+        AND ((OLD.status IN ('failed', 'processing') AND NEW.status IS DISTINCT FROM OLD.status)
+             OR (OLD.status = 'pending' AND NEW.status = 'cancelled')
+             OR NEW.scheduled_at < OLD.scheduled_at))
+    EXECUTE FUNCTION outbox_event_unhold();
+
+DROP TRIGGER IF EXISTS outbox_event_unhold_deleted ON outbox_event;
+CREATE TRIGGER outbox_event_unhold_deleted
+    AFTER DELETE ON outbox_event
+    FOR EACH ROW WHEN (OLD.ordering_key IS NOT NULL AND OLD.status IN ('pending', 'processing', 'failed'))
+    EXECUTE FUNCTION outbox_event_unhold();
+
+DO $$
+BEGIN
+    EXECUTE format('ALTER FUNCTION outbox_event_unhold() SET search_path = %I, pg_temp', current_schema());
+    REVOKE ALL ON FUNCTION outbox_event_unhold() FROM PUBLIC;
+END
+$$;
+
+COMMIT;
