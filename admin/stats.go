@@ -82,8 +82,10 @@ type Stats struct {
 	// (scheduled_at <= now()).
 	PendingDue int64 `json:"pending_due"`
 	// PendingScheduled counts pending events that wait on purpose (a
-	// NotBefore in the future, or the backoff after a failed attempt): not
-	// a backlog, however many.
+	// NotBefore in the future, the backoff after a failed attempt, or an
+	// earlier event of their ordering key whose due time they were moved
+	// to, docs/ordering.md "Held in the outbox"): not a backlog, however
+	// many.
 	PendingScheduled int64 `json:"pending_scheduled"`
 	// NextScheduledDueAt is when the earliest scheduled event falls due
 	// (nil when none is scheduled).

@@ -272,11 +272,16 @@ WHERE id = ANY($1::bigint[])`
 // (migration 021): the earliest unfinished earlier event of the key, read
 // after this batch's own handoffs and failures in the transaction. Behind
 // a pending event that is not due (delayed, backing off), to its due time;
-// behind a failed (dead-lettered) or processing one, by holdFor, since only
-// an operator moves it, and outbox_event_unhold then puts the held events
-// back at once. held_from keeps the event's own due time. An event whose
-// earlier event is pending and due (another batch holds it), or that no
-// longer waits, is left as it is. It returns how many events it moved.
+// behind a failed (dead-lettered) or processing one, which an operator or
+// the rescue moves, to now; either at most holdFor ($2 seconds) on.
+// outbox_event_unhold puts held events back at once when the event they
+// wait for moves early, but it cannot see a hold that this transaction has
+// not committed yet: the bound caps what that race costs (an operator's
+// cancel of a head delayed by a month, between this statement and the
+// commit, would otherwise hold its key for that month). held_from keeps
+// the event's own due time. An event whose earlier event is pending and
+// due (another batch holds it), or that no longer waits, is left as it is.
+// It returns how many events it moved.
 const holdSQL = `
 WITH h AS (
     SELECT e.id, w.status, w.scheduled_at AS until
@@ -296,18 +301,19 @@ WITH h AS (
 moved AS (
     UPDATE outbox_event e
     SET held_from = COALESCE(e.held_from, e.scheduled_at),
-        scheduled_at = GREATEST(e.scheduled_at,
-                                CASE WHEN h.status = 'pending' THEN h.until ELSE now() + make_interval(secs => $2) END)
+        scheduled_at = CASE WHEN h.status = 'pending' THEN LEAST(h.until, now() + make_interval(secs => $2))
+                            ELSE now() + make_interval(secs => $2) END
     FROM h
     WHERE e.id = h.id
     RETURNING 1
 )
 SELECT count(*) FROM moved`
 
-// holdFor is how far holdSQL moves an event held behind a failed
-// (dead-lettered) one: a held key's backlog is claimed once per holdFor
-// instead of at every poll, and an operator's requeue or cancel of the
-// failed event puts it back at once (outbox_event_unhold).
+// holdFor is the most holdSQL moves an event's due time: a held key's
+// backlog is claimed at most once per holdFor instead of at every poll,
+// and an operator's requeue or cancel of the event it waits for puts it
+// back at once (outbox_event_unhold), or, in a race with the hold's
+// commit, within holdFor.
 const holdFor = time.Minute
 
 // holdColumnSQL reports whether migration 021 (held_from, and the trigger

@@ -32,8 +32,11 @@ type drain struct {
 	// another batch holds (claim.Result.BlockedSoon).
 	soon atomic.Bool
 	// held: a batch left an ordered event waiting behind an earlier event
-	// of its key (claim.Result.Blocked). Such an event stays pending and
-	// due, and is claimed again by every pass until its key moves on.
+	// of its key (claim.Result.Blocked). Such an event stays pending; on
+	// a schema before migration 021, or when it waits for an event that
+	// another batch holds, it also stays due and is claimed again by every
+	// pass until its key moves on (otherwise claim.Result.Held: its due
+	// time was moved).
 	held atomic.Bool
 	// frontier counts the parallel drain's live workers that claim in
 	// claim order, i.e. that do not walk a key (walk); walked holds the

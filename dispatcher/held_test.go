@@ -43,8 +43,8 @@ func TestHeldBehindADelayedEventLeavesTheClaim(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 20})
 	const n = 300
-	delay := 4 * time.Second
-	ids := heldKey(t, s, outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(`{"head":true}`), NotBefore: time.Now().Add(delay)}, n)
+	due := time.Now().Add(8 * time.Second)
+	ids := heldKey(t, s, outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(`{"head":true}`), NotBefore: due}, n)
 	unrelated := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(`{}`)})[0]
 	claimed, onBatch := claimCounter()
 	start(t, s.Pool, dispatcher.Config{PollInterval: 100 * time.Millisecond, BatchSize: 100, OnBatch: onBatch})
@@ -57,7 +57,10 @@ func TestHeldBehindADelayedEventLeavesTheClaim(t *testing.T) {
 	})
 	before := claimed.Load()
 	time.Sleep(time.Second) // ten polls
-	if again := claimed.Load() - before; again != 0 {
+	switch again := claimed.Load() - before; {
+	case time.Now().After(due.Add(-100 * time.Millisecond)):
+		t.Logf("a slow machine: the head fell due before the ten polls were over (%d events claimed meanwhile)", again)
+	case again != 0:
 		t.Fatalf("%d events claimed again in ten polls while the key waits for its delayed head", again)
 	}
 	pgtest.WaitFor(t, 60*time.Second, "every event handed off once the head is due", func() bool {
@@ -120,23 +123,25 @@ func TestHeldBehindADeadLetterComeBackWhenItIsCancelled(t *testing.T) {
 	})
 }
 
-// TestHeldEventKeepsItsOwnDueTime: an event moved behind its key's delayed
-// first event gets its own due time back when that event's delay is cut
-// (an earlier due time puts the held events back), and one whose own due
-// time is later than the head's keeps it.
+// TestHeldEventKeepsItsOwnDueTime: an event held behind its key's first
+// event, delayed by an hour, is moved a minute on at most (holdFor), and
+// gets its own due time back when that event's delay is cut (an earlier
+// due time puts the held events back).
 func TestHeldEventKeepsItsOwnDueTime(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
 	ctx := pgtest.Context(t, 60*time.Second)
 	ids := heldKey(t, s, outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(`{}`), NotBefore: time.Now().Add(time.Hour)}, 1)
-	late := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(`{}`), OrderingKey: "k", NotBefore: time.Now().Add(2 * time.Hour)})[0]
-	var own, lateOwn time.Time
-	if err := s.Pool.QueryRow(ctx, `SELECT (SELECT scheduled_at FROM outbox_event WHERE id = $1), (SELECT scheduled_at FROM outbox_event WHERE id = $2)`, ids[1], late).Scan(&own, &lateOwn); err != nil {
+	var own time.Time
+	if err := s.Pool.QueryRow(ctx, `SELECT scheduled_at FROM outbox_event WHERE id = $1`, ids[1]).Scan(&own); err != nil {
 		t.Fatal(err)
 	}
 	d := start(t, s.Pool, dispatcher.Config{PollInterval: 100 * time.Millisecond})
-	pgtest.WaitFor(t, 30*time.Second, "the second event held an hour", func() bool {
-		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE id = $1 AND held_from IS NOT NULL AND scheduled_at > now() + interval '50 minutes'`, ids[1]) == 1
+	pgtest.WaitFor(t, 30*time.Second, "the second event held, a minute on at most", func() bool {
+		return pgtest.Count(t, s.Pool, `
+			SELECT count(*) FROM outbox_event
+			WHERE id = $1 AND held_from IS NOT NULL
+			  AND scheduled_at > now() + interval '20 seconds' AND scheduled_at <= now() + interval '61 seconds'`, ids[1]) == 1
 	})
 	if err := d.Stop(ctx); err != nil {
 		t.Fatal(err)
@@ -152,11 +157,5 @@ func TestHeldEventKeepsItsOwnDueTime(t *testing.T) {
 	}
 	if !got.Equal(own) || held != nil {
 		t.Fatalf("the held event is due at %s (held from %v), want its own due time %s back", got, held, own)
-	}
-	if err := s.Pool.QueryRow(ctx, `SELECT scheduled_at FROM outbox_event WHERE id = $1`, late).Scan(&got); err != nil {
-		t.Fatal(err)
-	}
-	if !got.Equal(lateOwn) {
-		t.Fatalf("the event delayed by its producer is due at %s, want its own %s", got, lateOwn)
 	}
 }

@@ -94,9 +94,10 @@ type loop struct {
 	// for an earlier one in another batch's hands (claim.Result.BlockedSoon).
 	waits int
 	// held: the last drain or pass left ordered events waiting behind an
-	// earlier event of their key (drain.held). They are due and stay so:
-	// the next due time leaves out events due for longer than heldGrace,
-	// which the poll tick looks at again.
+	// earlier event of their key (drain.held). Those whose due time the
+	// batch did not move (claim.Result.Held) are due and stay so: the next
+	// due time leaves out events due for longer than heldGrace, which the
+	// poll tick looks at again.
 	held bool
 }
 

@@ -8,10 +8,11 @@ import (
 )
 
 // TestUnholdPutsHeldEventsBack (migration 021): the events of a key that
-// the dispatcher moved behind its failed first event (held_from set) get
-// their own due time back when that event is requeued or deleted, and not
-// when an event of the key is handed off (pending to done fires nothing:
-// the events held behind a pending event wait for its own due time).
+// the dispatcher moved (held_from set) get their own due time back when
+// the first unfinished event of the key is requeued, deleted, cancelled
+// before it is due or rescued; not when a later one is, nor when an event
+// of the key is handed off (pending to done fires nothing: the events
+// held behind a pending event wait for its own due time at most).
 func TestUnholdPutsHeldEventsBack(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
@@ -27,7 +28,7 @@ func TestUnholdPutsHeldEventsBack(t *testing.T) {
 		}
 	}
 	held := func(k string) int {
-		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE ordering_key = $1 AND held_from IS NOT NULL AND scheduled_at > now()`, k)
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE ordering_key = $1 AND status = 'pending' AND held_from IS NOT NULL AND scheduled_at > now()`, k)
 	}
 
 	// Requeued: the held events are back, due now.
@@ -60,6 +61,64 @@ func TestUnholdPutsHeldEventsBack(t *testing.T) {
 	}
 	if n := held("d"); n != 0 {
 		t.Fatalf("%d events still held after their key's failed event was deleted", n)
+	}
+
+	// A requeue of a later failed event while the first is still failed:
+	// the first holds the key, nothing moves; a requeue of both in one
+	// statement puts the held events back.
+	head, a, b = keyedEvent(t, ctx, s.Pool, "q"), keyedEvent(t, ctx, s.Pool, "q"), keyedEvent(t, ctx, s.Pool, "q")
+	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET status = 'failed', last_error = 'x' WHERE id = ANY($1)`, []int64{head, a}); err != nil {
+		t.Fatal(err)
+	}
+	hold(b)
+	if n, _ := requeue(t, ctx, s, "failed", a); n != 1 {
+		t.Fatalf("requeue changed %d events, want 1", n)
+	}
+	if n := held("q"); n != 1 {
+		t.Fatalf("%d events held after a later failed event of their key was requeued, want 1: the first one still holds the key", n)
+	}
+	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET status = 'failed' WHERE id = $1`, a); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Pool.Exec(ctx, `SELECT * FROM outbox_requeue('test', false, ids => $1)`, []int64{head, a}); err != nil {
+		t.Fatal(err)
+	}
+	if n := held("q"); n != 0 {
+		t.Fatalf("%d events still held after the key's failed events were requeued together", n)
+	}
+
+	// A delayed first event cancelled: the events held behind it are back;
+	// a held event cancelled moves nothing (the first still holds the key).
+	var c int64
+	if err := s.Pool.QueryRow(ctx, `INSERT INTO outbox_event (event_type, payload, ordering_key, scheduled_at) VALUES ('mail.order.sent', '{}', 'c', now() + interval '1 hour') RETURNING id`).Scan(&c); err != nil {
+		t.Fatal(err)
+	}
+	a, b = keyedEvent(t, ctx, s.Pool, "c"), keyedEvent(t, ctx, s.Pool, "c")
+	hold(a, b)
+	if _, err := s.Pool.Exec(ctx, `SELECT * FROM outbox_cancel('test', false, ids => $1)`, []int64{a}); err != nil {
+		t.Fatal(err)
+	}
+	if n := held("c"); n != 1 {
+		t.Fatalf("%d events held after a held event of their key was cancelled, want 1", n)
+	}
+	if _, err := s.Pool.Exec(ctx, `SELECT * FROM outbox_cancel('test', false, ids => $1)`, []int64{c}); err != nil {
+		t.Fatal(err)
+	}
+	if n := held("c"); n != 0 {
+		t.Fatalf("%d events still held after the key's delayed first event was cancelled", n)
+	}
+
+	// A processing event rescued (processing to pending): the same.
+	head, a = keyedEvent(t, ctx, s.Pool, "x"), keyedEvent(t, ctx, s.Pool, "x")
+	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET status = 'processing', locked_until = now() - interval '1 minute' WHERE id = $1`, head); err != nil {
+		t.Fatal(err)
+	}
+	hold(a)
+	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET status = 'pending', locked_until = NULL WHERE status = 'processing' AND id = $1`, head); err != nil {
+		t.Fatal(err)
+	}
+	if n := held("x"); n != 0 {
+		t.Fatalf("%d events still held after the key's processing event was rescued", n)
 	}
 
 	// A pending event handed off (pending to done): nothing moves.

@@ -176,6 +176,16 @@ func TestExplainShowsTheKeysOrder(t *testing.T) {
 		!strings.Contains(out, fmt.Sprintf("outboxctl requeue --id %d", held[0])) {
 		t.Errorf("explain of an event held in the outbox:\n%s", out)
 	}
+	// A dispatcher that found it held moved its due time a minute on, as
+	// holdSQL does behind a dead letter (migration 021): explain shows its
+	// own due time beside the moved one.
+	if _, err := s.Pool.Exec(context.Background(), `UPDATE outbox_event SET held_from = scheduled_at, scheduled_at = now() + interval '1 minute' WHERE id = $1`, later[0]); err != nil {
+		t.Fatal(err)
+	}
+	code, out, _ = octl(t, s, "explain", fmt.Sprint(later[0]))
+	if code != 0 || !strings.Contains(out, "held from     ") || !strings.Contains(out, "moved to wait for an earlier event of its key") {
+		t.Errorf("explain of a held event whose due time was moved:\n%s", out)
+	}
 }
 
 // TestPublishOrderingKeyFlag: publish --ordering-key stores the key; a key

@@ -8,22 +8,29 @@
 -- them held and let them go: a backlog of 10,000 held events was claimed
 -- about 16,000 times a second, as long as the key stayed held.
 --
--- The claim now moves such an event's due time, once:
+-- The claim now moves such an event's due time, by at most a minute
+-- (claim.holdSQL):
 --
 -- - behind a pending event that is not due (delayed, or backing off), to
 --   that event's due time;
--- - behind a dead-lettered (failed) or processing event, by a minute: it
---   can move only by an operator's hand (requeue, cancel), which the
---   trigger below answers at once; the minute bounds the wait when it
---   moves any other way (a DELETE by hand is answered too).
+-- - behind a dead-lettered (failed) or processing event, a minute on: it
+--   moves by an operator's hand (requeue, cancel) or the rescue, which the
+--   trigger below answers at once.
+--
+-- The minute bounds what a move the trigger cannot answer costs: one in a
+-- race with the hold's own commit (the trigger does not see a hold that
+-- is not committed), or one its WHEN clause leaves out.
 --
 -- held_from keeps the event's own due time, the first time it is moved.
 -- When the event it waits for changes status from failed or processing
--- (requeued, cancelled, rescued), is cancelled while pending, gets an
--- earlier due time, or is deleted, outbox_event_unhold puts the key's held
--- events back to their own due time and wakes a dispatcher. The handoff of
--- a pending event (pending to done) fires nothing: the events held behind
--- it were moved to its own due time.
+-- (requeued, cancelled, rescued), is cancelled while pending and not due,
+-- gets an earlier due time, or is deleted, outbox_event_unhold puts the
+-- key's held events back to their own due time and wakes a dispatcher. The
+-- handoff of a pending event (pending to done) fires nothing: the events
+-- held behind it were moved to its own due time at the latest. Neither
+-- does the cancel or delete of a held event: the event it waits for still
+-- holds the key. A statement that changes many events of one key (a bulk
+-- requeue) does the key's work once, for its earliest event.
 --
 -- The column is nullable without a default: adding it rewrites nothing.
 
@@ -38,6 +45,18 @@ COMMENT ON COLUMN outbox_event.held_from IS
 CREATE OR REPLACE FUNCTION outbox_event_unhold() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER AS $$
 BEGIN
+    -- Held events wait for the earliest unfinished event of their key. An
+    -- earlier one than OLD holds them still; and of the rows of one
+    -- statement (a requeue of a key's failed events), only the earliest
+    -- goes on to the key's range.
+    PERFORM 1 FROM outbox_event p
+    WHERE COALESCE(p.tenant_id, '') = COALESCE(OLD.tenant_id, '') AND p.ordering_key = OLD.ordering_key
+      AND p.status IN ('pending', 'processing', 'failed')
+      AND p.ordering_position < OLD.ordering_position
+    LIMIT 1;
+    IF FOUND THEN
+        RETURN NULL;
+    END IF;
     UPDATE outbox_event e
     SET scheduled_at = e.held_from, held_from = NULL
     WHERE COALESCE(e.tenant_id, '') = COALESCE(OLD.tenant_id, '') AND e.ordering_key = OLD.ordering_key
@@ -59,14 +78,16 @@ CREATE TRIGGER outbox_event_unhold
         -- not the trigger's own update of a held event
         AND NOT (OLD.held_from IS NOT NULL AND NEW.held_from IS NULL)
         AND ((OLD.status IN ('failed', 'processing') AND NEW.status IS DISTINCT FROM OLD.status)
-             OR (OLD.status = 'pending' AND NEW.status = 'cancelled')
+             -- a pending event cancelled before it was due, unless it is
+             -- held itself (then an earlier event holds the key)
+             OR (OLD.status = 'pending' AND NEW.status = 'cancelled' AND OLD.scheduled_at > now() AND OLD.held_from IS NULL)
              OR NEW.scheduled_at < OLD.scheduled_at))
     EXECUTE FUNCTION outbox_event_unhold();
 
 DROP TRIGGER IF EXISTS outbox_event_unhold_deleted ON outbox_event;
 CREATE TRIGGER outbox_event_unhold_deleted
     AFTER DELETE ON outbox_event
-    FOR EACH ROW WHEN (OLD.ordering_key IS NOT NULL AND OLD.status IN ('pending', 'processing', 'failed'))
+    FOR EACH ROW WHEN (OLD.ordering_key IS NOT NULL AND OLD.status IN ('pending', 'processing', 'failed') AND OLD.held_from IS NULL)
     EXECUTE FUNCTION outbox_event_unhold();
 
 DO $$
