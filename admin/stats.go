@@ -87,6 +87,9 @@ type Stats struct {
 	// to, docs/ordering.md "Held in the outbox"): not a backlog, however
 	// many.
 	PendingScheduled int64 `json:"pending_scheduled"`
+	// PendingHeld counts the scheduled events that wait for an earlier
+	// event of their ordering key (metrics.Backlog.Held).
+	PendingHeld int64 `json:"pending_held"`
 	// NextScheduledDueAt is when the earliest scheduled event falls due
 	// (nil when none is scheduled).
 	NextScheduledDueAt *time.Time `json:"next_scheduled_due_at"`
@@ -271,6 +274,7 @@ func (c *Client) stats(ctx context.Context, opts StatsOpts) (*Stats, error) {
 		res.PendingDueOver60s = backlog.DueOver
 		res.PendingDue = backlog.Due
 		res.PendingScheduled = backlog.Scheduled
+		res.PendingHeld = backlog.Held
 		if !backlog.NextDue.IsZero() {
 			next := backlog.NextDue
 			res.NextScheduledDueAt = &next

@@ -56,6 +56,11 @@ func TestStatsShowParkedKeysAndAlert(t *testing.T) {
 		o.OldestParkedWaitS <= 0 || o.OldestWaitS < o.OldestParkedWaitS || o.OldestParkedAgeS < 0 || o.OldestParkedAgeS > 120 {
 		t.Fatalf("ordering %+v: want 1 key parked (discarded) with 2 jobs behind it, 1 held key", o)
 	}
+	// order-7's second event waits behind the failed one: the handoff
+	// moved its due time (migration 021), so it is scheduled and held.
+	if st.PendingHeld != 1 || st.PendingScheduled != 1 || st.PendingDue != 0 {
+		t.Fatalf("pending: %d due, %d scheduled, %d held; want the held event scheduled and held", st.PendingDue, st.PendingScheduled, st.PendingHeld)
+	}
 	// The failed event alerts too (events_failed): it holds order-7.
 	if names := alertNames(st); names != "[events_failed keys_parked]" {
 		t.Fatalf("alerts %s", names)

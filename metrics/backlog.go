@@ -3,6 +3,7 @@ package metrics
 import (
 	"context"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -25,6 +26,12 @@ type Backlog struct {
 	OldestDueAge time.Duration `json:"oldest_due_age_ns"`
 	// Scheduled is the number of pending events with scheduled_at > now().
 	Scheduled int64 `json:"pending_scheduled"`
+	// Held is how many of the Scheduled events wait for an earlier event
+	// of their ordering key that cannot move for a while (delayed, backing
+	// off, dead-lettered): the dispatcher moved their due time
+	// (docs/ordering.md, "Held in the outbox"). 0 on a schema before
+	// migration 021.
+	Held int64 `json:"pending_held"`
 	// NextDue is when the earliest scheduled event falls due (the zero
 	// time when none), by the database's clock.
 	NextDue time.Time `json:"next_scheduled_due_at"`
@@ -37,7 +44,9 @@ type Backlog struct {
 	Processing int64 `json:"processing"`
 }
 
-// backlogSQL reads a Backlog. $1 is the "behind" threshold in seconds.
+// backlogSQL is the select list of the statement that reads a Backlog
+// (backlogHeldSQL, backlogNoHeldSQL). $1 is the "behind" threshold in
+// seconds.
 // Every count is a range of the claim index (status = 'pending', ordered by
 // scheduled_at): the due part ends at now() and costs what the backlog
 // costs; the scheduled count reads every scheduled entry (about 25 ms per
@@ -53,9 +62,28 @@ SELECT count(*) FILTER (WHERE status = 'pending' AND scheduled_at <= now()),
        min(scheduled_at) FILTER (WHERE status = 'pending' AND scheduled_at > now()),
        coalesce(extract(epoch FROM min(scheduled_at) FILTER (WHERE status = 'pending' AND scheduled_at > now()) - now()), 0)::float8,
        count(*) FILTER (WHERE status = 'failed'),
-       count(*) FILTER (WHERE status = 'processing')
+       count(*) FILTER (WHERE status = 'processing')`
+
+const backlogFromSQL = `
 FROM outbox_event
 WHERE status IN ('pending', 'processing', 'failed')`
+
+// backlogHeldSQL reads a Backlog with the held count (Backlog.Held), for a
+// schema with migration 021's held_from; backlogNoHeldSQL counts none.
+var (
+	backlogHeldSQL = backlogSQL + `,
+       count(*) FILTER (WHERE status = 'pending' AND scheduled_at > now() AND held_from IS NOT NULL)` + backlogFromSQL
+	backlogNoHeldSQL = backlogSQL + `,
+       0::bigint` + backlogFromSQL
+)
+
+// heldColumnSQL reports whether outbox_event has held_from (migration
+// 021); haveHeld remembers a yes for the process.
+const heldColumnSQL = `SELECT EXISTS (
+    SELECT 1 FROM pg_attribute
+    WHERE attrelid = 'outbox_event'::regclass AND attname = 'held_from' AND NOT attisdropped)`
+
+var haveHeld atomic.Bool
 
 // Querier is what ReadBacklog needs: a pgx.Tx, *pgx.Conn or *pgxpool.Pool.
 type Querier interface {
@@ -73,7 +101,19 @@ func ReadBacklog(ctx context.Context, q Querier, behind time.Duration) (Backlog,
 		nextS   float64
 		next    *time.Time
 	)
-	if err := q.QueryRow(ctx, backlogSQL, behind.Seconds()).Scan(&b.Due, &b.DueOver, &oldestS, &b.Scheduled, &next, &nextS, &b.Failed, &b.Processing); err != nil {
+	query := backlogHeldSQL
+	if !haveHeld.Load() {
+		var ok bool
+		if err := q.QueryRow(ctx, heldColumnSQL).Scan(&ok); err != nil {
+			return Backlog{}, fmt.Errorf("look for migration 021: %w", err)
+		}
+		if ok {
+			haveHeld.Store(true)
+		} else {
+			query = backlogNoHeldSQL
+		}
+	}
+	if err := q.QueryRow(ctx, query, behind.Seconds()).Scan(&b.Due, &b.DueOver, &oldestS, &b.Scheduled, &next, &nextS, &b.Failed, &b.Processing, &b.Held); err != nil {
 		return Backlog{}, fmt.Errorf("read the pending backlog: %w", err)
 	}
 	b.OldestDueAge = time.Duration(oldestS * float64(time.Second))

@@ -225,7 +225,8 @@ const behindAfter = 60 * time.Second
 var (
 	descPending     = prometheus.NewDesc("outbox_pending_events", "Pending events (due or scheduled later).", nil, nil)
 	descDue         = prometheus.NewDesc("outbox_pending_due_events", "Pending events that are due now (the dispatcher's backlog).", nil, nil)
-	descScheduled   = prometheus.NewDesc("outbox_pending_scheduled_events", "Pending events not due yet (a NotBefore in the future, or a retry's backoff): waiting on purpose, not a backlog.", nil, nil)
+	descScheduled   = prometheus.NewDesc("outbox_pending_scheduled_events", "Pending events not due yet (a NotBefore in the future, a retry's backoff, or an earlier event of their ordering key): waiting on purpose, not a backlog.", nil, nil)
+	descHeld        = prometheus.NewDesc("outbox_pending_held_events", "Of the scheduled events, those that wait for an earlier event of their ordering key that is delayed, backing off or dead-lettered (their due time was moved).", nil, nil)
 	descNextDue     = prometheus.NewDesc("outbox_next_scheduled_due_seconds", "Seconds until the earliest scheduled pending event is due (0 when none).", nil, nil)
 	descBehind      = prometheus.NewDesc("outbox_pending_due_over_60s_events", "Pending events due for more than 60 s (the dispatcher is behind).", nil, nil)
 	descOldest      = prometheus.NewDesc("outbox_oldest_pending_age_seconds", "Age of the oldest due pending event, since it became due (0 when none).", nil, nil)
@@ -244,7 +245,7 @@ var (
 )
 
 func (c *dbCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descPending, descDue, descScheduled, descNextDue, descBehind, descOldest, descFailedNow, descProcessing, descScrapeError,
+	for _, d := range []*prometheus.Desc{descPending, descDue, descScheduled, descHeld, descNextDue, descBehind, descOldest, descFailedNow, descProcessing, descScrapeError,
 		descOrderingKeys, descParkedKeys, descWaitingJobs, descParkedWaitingJobs, descOldestWait, descParkedOldestWait, descOldestParkedAge, descHeldKeys} {
 		ch <- d
 	}
@@ -267,6 +268,7 @@ func (c *dbCollector) Collect(ch chan<- prometheus.Metric) {
 		gauge(descPending, float64(b.Due+b.Scheduled))
 		gauge(descDue, float64(b.Due))
 		gauge(descScheduled, float64(b.Scheduled))
+		gauge(descHeld, float64(b.Held))
 		gauge(descNextDue, b.NextDueIn.Seconds())
 		gauge(descBehind, float64(b.DueOver))
 		gauge(descOldest, b.OldestDueAge.Seconds())

@@ -101,7 +101,7 @@ func TestKeysAndUnparkCommands(t *testing.T) {
 	if _, err := s.Pool.Exec(context.Background(), `UPDATE outbox_event SET status = 'failed', last_error = 'no route' WHERE id = $1`, held[0]); err != nil {
 		t.Fatal(err)
 	}
-	pgtest.Publish(t, s.Pool, outbox.Event{Type: "order.item.changed", Payload: json.RawMessage(`{}`), OrderingKey: "held"})
+	behind := pgtest.Publish(t, s.Pool, outbox.Event{Type: "order.item.changed", Payload: json.RawMessage(`{}`), OrderingKey: "held"})
 	code, _, errOut = octl(t, s, "unpark", "--key", "held", "--skip")
 	if code != 1 || !strings.Contains(errOut, fmt.Sprintf("outboxctl requeue --id %d", held[0])) {
 		t.Fatalf("unpark of a key held in the outbox: exit %d, %q", code, errOut)
@@ -109,6 +109,15 @@ func TestKeysAndUnparkCommands(t *testing.T) {
 	code, out, _ = octl(t, s, "keys", "--key", "held")
 	if code != 0 || !strings.Contains(out, "held_in_outbox") || !strings.Contains(out, "(outbox)") || !strings.Contains(out, fmt.Sprintf("event %d failed", held[0])) {
 		t.Fatalf("keys --key held: exit %d\n%s", code, out)
+	}
+	// The event behind it, moved as a dispatcher moves it (migration 021):
+	// stats counts it as scheduled and held.
+	if _, err := s.Pool.Exec(context.Background(), `UPDATE outbox_event SET held_from = scheduled_at, scheduled_at = now() + interval '1 minute' WHERE id = $1`, behind[0]); err != nil {
+		t.Fatal(err)
+	}
+	code, out, _ = octl(t, s, "stats")
+	if code != 0 || !strings.Contains(out, "pending: 0 due, 1 scheduled (1 of them held for their ordering key)") {
+		t.Fatalf("stats with a held event: exit %d\n%s", code, out)
 	}
 }
 

@@ -117,6 +117,9 @@ func printStats(w io.Writer, r *admin.Stats) {
 	}
 	fmt.Fprintln(w, strings.Join(parts, ", "))
 	fmt.Fprintf(w, "pending: %d due, %d scheduled", r.PendingDue, r.PendingScheduled)
+	if r.PendingHeld > 0 {
+		fmt.Fprintf(w, " (%d of them held for their ordering key)", r.PendingHeld)
+	}
 	if r.NextScheduledDueAt != nil {
 		fmt.Fprintf(w, " (next due %s)", r.NextScheduledDueAt.UTC().Format(time.RFC3339))
 	}
