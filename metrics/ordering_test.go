@@ -4,6 +4,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/outboxhq/outbox"
@@ -75,26 +76,7 @@ func TestReadOrderingCountsParkedWaitingAndHeldKeys(t *testing.T) {
 		t.Fatalf("ages %+v: want the oldest wait 10m, the oldest behind a parked key 5m, parked for 1h", o)
 	}
 
-	reg := prometheus.NewRegistry()
-	if err := metrics.New(metrics.Config{Pool: s.Pool}).Register(reg); err != nil {
-		t.Fatal(err)
-	}
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	got := map[string]float64{}
-	for _, f := range families {
-		for _, m := range f.GetMetric() {
-			name := f.GetName()
-			for _, l := range m.GetLabel() {
-				name += "{" + l.GetName() + "=" + l.GetValue() + "}"
-			}
-			if m.GetGauge() != nil {
-				got[name] = m.GetGauge().GetValue()
-			}
-		}
-	}
+	got := gauges(t, s.Pool)
 	want := map[string]float64{
 		"outbox_database_up":                           1,
 		"outbox_ordering_keys":                         3,
@@ -119,4 +101,31 @@ func TestReadOrderingCountsParkedWaitingAndHeldKeys(t *testing.T) {
 	if g := got["outbox_ordering_oldest_parked_age_seconds"]; g < 3600 || g > 3660 {
 		t.Errorf("outbox_ordering_oldest_parked_age_seconds = %v, want about 3600", g)
 	}
+}
+
+// gauges registers a metrics collector on pool and returns every gauge it
+// reports, by name, with its labels as {name=value} after the name.
+func gauges(t *testing.T, pool *pgxpool.Pool) map[string]float64 {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	if err := metrics.New(metrics.Config{Pool: pool}).Register(reg); err != nil {
+		t.Fatal(err)
+	}
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]float64{}
+	for _, f := range families {
+		for _, m := range f.GetMetric() {
+			name := f.GetName()
+			for _, l := range m.GetLabel() {
+				name += "{" + l.GetName() + "=" + l.GetValue() + "}"
+			}
+			if m.GetGauge() != nil {
+				got[name] = m.GetGauge().GetValue()
+			}
+		}
+	}
+	return got
 }
