@@ -152,6 +152,27 @@ func TestClaimWaitsForEarlierEventNotYetDue(t *testing.T) {
 	wantJobsInOrder(t, s.Pool, ids[0], ids[1])
 }
 
+// TestHoldOnASchemaBefore021: without migration 021's held_from the batch
+// leaves a held event as it was (blocked, not moved, claimed again by the
+// next batch) instead of failing.
+func TestHoldOnASchemaBefore021(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	if _, err := s.Pool.Exec(context.Background(), `ALTER TABLE outbox_event DROP COLUMN held_from CASCADE`); err != nil {
+		t.Fatal(err)
+	}
+	h := newHandoff(t, s.Pool, 6, nil)
+	later := keyed("", "k")
+	first := later
+	first.NotBefore = time.Now().Add(time.Hour)
+	pgtest.Publish(t, s.Pool, first, later)
+	for range 2 {
+		if res := batch(t, h); res.Claimed != 1 || res.Blocked != 1 || res.Held != 0 || res.Done != 0 {
+			t.Fatalf("batch on a schema before 021: %+v, want the later event blocked, not held, claimed again", res)
+		}
+	}
+}
+
 // TestClaimWaitsBehindDeadLetteredEvent: an event whose River insert fails
 // is dead-lettered (MaxRetries 0) in the event-by-event fallback, and the
 // later event of its key, in the same batch, is skipped there without

@@ -3,7 +3,6 @@ package metrics
 import (
 	"context"
 	"fmt"
-	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -78,12 +77,12 @@ var (
 )
 
 // heldColumnSQL reports whether outbox_event has held_from (migration
-// 021); haveHeld remembers a yes for the process.
+// 021). It is asked at every read, not remembered: one process may read
+// schemas of several versions (a pool per schema), and the catalog lookup
+// costs a round trip, not a scan.
 const heldColumnSQL = `SELECT EXISTS (
     SELECT 1 FROM pg_attribute
     WHERE attrelid = 'outbox_event'::regclass AND attname = 'held_from' AND NOT attisdropped)`
-
-var haveHeld atomic.Bool
 
 // Querier is what ReadBacklog needs: a pgx.Tx, *pgx.Conn or *pgxpool.Pool.
 type Querier interface {
@@ -92,8 +91,9 @@ type Querier interface {
 
 // ReadBacklog reads the pending events split into due and scheduled (due
 // events older than behind count in DueOver) and the failed and processing
-// counts, in one statement: the gauges of every scrape and outboxctl stats
-// read the same figures the same way.
+// counts, in one statement (after a catalog lookup for migration 021's
+// column): the gauges of every scrape and outboxctl stats read the same
+// figures the same way.
 func ReadBacklog(ctx context.Context, q Querier, behind time.Duration) (Backlog, error) {
 	var (
 		b       Backlog
@@ -101,17 +101,13 @@ func ReadBacklog(ctx context.Context, q Querier, behind time.Duration) (Backlog,
 		nextS   float64
 		next    *time.Time
 	)
-	query := backlogHeldSQL
-	if !haveHeld.Load() {
-		var ok bool
-		if err := q.QueryRow(ctx, heldColumnSQL).Scan(&ok); err != nil {
-			return Backlog{}, fmt.Errorf("look for migration 021: %w", err)
-		}
-		if ok {
-			haveHeld.Store(true)
-		} else {
-			query = backlogNoHeldSQL
-		}
+	var withHeld bool
+	if err := q.QueryRow(ctx, heldColumnSQL).Scan(&withHeld); err != nil {
+		return Backlog{}, fmt.Errorf("look for migration 021: %w", err)
+	}
+	query := backlogNoHeldSQL
+	if withHeld {
+		query = backlogHeldSQL
 	}
 	if err := q.QueryRow(ctx, query, behind.Seconds()).Scan(&b.Due, &b.DueOver, &oldestS, &b.Scheduled, &next, &nextS, &b.Failed, &b.Processing, &b.Held); err != nil {
 		return Backlog{}, fmt.Errorf("read the pending backlog: %w", err)

@@ -41,6 +41,9 @@ func TestScheduledApartFromBacklog(t *testing.T) {
 		got["outbox_pending_held_events"] != 0 {
 		t.Fatalf("gauges %v", got)
 	}
+	if _, ok := got["outbox_pending_held_events"]; !ok {
+		t.Fatal("no outbox_pending_held_events gauge")
+	}
 }
 
 // TestHeldCountedApart: events of an ordering key whose due time the
@@ -68,5 +71,27 @@ func TestHeldCountedApart(t *testing.T) {
 	}
 	if v, ok := gauges(t, s.Pool)["outbox_pending_held_events"]; !ok || v != 2 {
 		t.Fatalf("outbox_pending_held_events = %v (reported %v), want 2", v, ok)
+	}
+}
+
+// TestBacklogOnASchemaBefore021: without migration 021's held_from the
+// backlog is read as before, with no held events, and the gauges stay up.
+func TestBacklogOnASchemaBefore021(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 2})
+	ctx := pgtest.Context(t, 60*time.Second)
+	pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.a.b"}, outbox.Event{Type: "mail.reminder.due", NotBefore: time.Now().Add(time.Hour)})
+	if _, err := s.Pool.Exec(ctx, `ALTER TABLE outbox_event DROP COLUMN held_from CASCADE`); err != nil {
+		t.Fatal(err)
+	}
+	b, err := metrics.ReadBacklog(ctx, s.Pool, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b.Due != 1 || b.Scheduled != 1 || b.Held != 0 {
+		t.Fatalf("backlog %+v, want 1 due, 1 scheduled, none held", b)
+	}
+	if got := gauges(t, s.Pool); got["outbox_database_up"] != 1 || got["outbox_pending_scheduled_events"] != 1 {
+		t.Fatalf("gauges on a schema before 021: %v", got)
 	}
 }

@@ -226,7 +226,7 @@ var (
 	descPending     = prometheus.NewDesc("outbox_pending_events", "Pending events (due or scheduled later).", nil, nil)
 	descDue         = prometheus.NewDesc("outbox_pending_due_events", "Pending events that are due now (the dispatcher's backlog).", nil, nil)
 	descScheduled   = prometheus.NewDesc("outbox_pending_scheduled_events", "Pending events not due yet (a NotBefore in the future, a retry's backoff, or an earlier event of their ordering key): waiting on purpose, not a backlog.", nil, nil)
-	descHeld        = prometheus.NewDesc("outbox_pending_held_events", "Of the scheduled events, those that wait for an earlier event of their ordering key that is delayed, backing off or dead-lettered (their due time was moved).", nil, nil)
+	descHeld        = prometheus.NewDesc("outbox_pending_held_events", "Of the scheduled events, those that wait for an earlier event of their ordering key that is delayed, backing off, dead-lettered or processing (their due time was moved).", nil, nil)
 	descNextDue     = prometheus.NewDesc("outbox_next_scheduled_due_seconds", "Seconds until the earliest scheduled pending event is due (0 when none).", nil, nil)
 	descBehind      = prometheus.NewDesc("outbox_pending_due_over_60s_events", "Pending events due for more than 60 s (the dispatcher is behind).", nil, nil)
 	descOldest      = prometheus.NewDesc("outbox_oldest_pending_age_seconds", "Age of the oldest due pending event, since it became due (0 when none).", nil, nil)

@@ -121,6 +121,21 @@ func TestUnholdPutsHeldEventsBack(t *testing.T) {
 		t.Fatalf("%d events still held after the key's processing event was rescued", n)
 	}
 
+	// A held event written by anything but a hold (a failed attempt, a
+	// handoff) is no longer held: held_from ends, so it is not counted or
+	// shown as held.
+	_, a, b = keyedEvent(t, ctx, s.Pool, "w"), keyedEvent(t, ctx, s.Pool, "w"), keyedEvent(t, ctx, s.Pool, "w")
+	hold(a, b)
+	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET retries = retries + 1, last_error = 'x', scheduled_at = now() + interval '2 minutes' WHERE id = $1`, a); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET status = 'done', processed_at = now() WHERE id = $1`, b); err != nil {
+		t.Fatal(err)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE id IN ($1, $2) AND held_from IS NOT NULL`, a, b); n != 0 {
+		t.Fatalf("%d events keep held_from after a failed attempt or a handoff", n)
+	}
+
 	// A pending event handed off (pending to done): nothing moves.
 	head, a = keyedEvent(t, ctx, s.Pool, "p"), keyedEvent(t, ctx, s.Pool, "p")
 	hold(a)

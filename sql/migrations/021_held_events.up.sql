@@ -32,6 +32,9 @@
 -- holds the key. A statement that changes many events of one key (a bulk
 -- requeue) does the key's work once, for its earliest event.
 --
+-- outbox_event_held_clear (a BEFORE trigger) ends held_from when the
+-- event's status or retries are written by anything but a hold.
+--
 -- The column is nullable without a default: adding it rewrites nothing.
 
 BEGIN;
@@ -57,11 +60,19 @@ BEGIN
     IF FOUND THEN
         RETURN NULL;
     END IF;
+    -- SKIP LOCKED: two operator statements that each hold one key's head
+    -- and another key's held event must not wait for each other (a
+    -- deadlock); a held event locked by another transaction (a batch that
+    -- holds it again, an operator's cancel of it) is left to the minute's
+    -- bound.
     UPDATE outbox_event e
     SET scheduled_at = e.held_from, held_from = NULL
-    WHERE COALESCE(e.tenant_id, '') = COALESCE(OLD.tenant_id, '') AND e.ordering_key = OLD.ordering_key
-      AND e.status = 'pending' AND e.held_from IS NOT NULL
-      AND e.ordering_position > OLD.ordering_position;
+    WHERE e.id IN (
+        SELECT h.id FROM outbox_event h
+        WHERE COALESCE(h.tenant_id, '') = COALESCE(OLD.tenant_id, '') AND h.ordering_key = OLD.ordering_key
+          AND h.status = 'pending' AND h.held_from IS NOT NULL
+          AND h.ordering_position > OLD.ordering_position
+        FOR UPDATE SKIP LOCKED);
     -- As outbox_wake: notify only when a dispatcher is idle-waiting.
     IF FOUND AND NOT pg_try_advisory_xact_lock_shared(1868720215, hashtext('outbox_wake:' || TG_TABLE_SCHEMA)) THEN
         PERFORM pg_notify('outbox_wake', TG_TABLE_SCHEMA);
@@ -75,7 +86,9 @@ CREATE TRIGGER outbox_event_unhold
     AFTER UPDATE OF status, scheduled_at ON outbox_event
     FOR EACH ROW WHEN (
         OLD.ordering_key IS NOT NULL
-        -- not the trigger's own update of a held event
+        -- not an update that ends a hold: the trigger's own, or a write
+        -- of a held event's status (outbox_event_held_clear), which an
+        -- earlier event of its key still holds back
         AND NOT (OLD.held_from IS NOT NULL AND NEW.held_from IS NULL)
         AND ((OLD.status IN ('failed', 'processing') AND NEW.status IS DISTINCT FROM OLD.status)
              -- a pending event cancelled before it was due, unless it is
@@ -90,10 +103,35 @@ CREATE TRIGGER outbox_event_unhold_deleted
     FOR EACH ROW WHEN (OLD.ordering_key IS NOT NULL AND OLD.status IN ('pending', 'processing', 'failed') AND OLD.held_from IS NULL)
     EXECUTE FUNCTION outbox_event_unhold();
 
+-- outbox_event_held_clear ends held_from when anything but a hold or an
+-- unhold writes a held event's status or retries: its handoff, a failed
+-- attempt, a dead letter, an operator's requeue or cancel. So held_from is
+-- set only on a pending event whose due time the dispatcher moved and that
+-- nothing has written since: what the held count and explain show, and
+-- what the unhold trigger's WHEN clauses read. The handoff of an event
+-- that was never held (nearly all) stops at the WHEN clause.
+CREATE OR REPLACE FUNCTION outbox_event_held_clear() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.held_from := NULL;
+    RETURN NEW;
+END
+$$;
+
+DROP TRIGGER IF EXISTS outbox_event_held_clear ON outbox_event;
+CREATE TRIGGER outbox_event_held_clear
+    BEFORE UPDATE OF status, retries ON outbox_event
+    FOR EACH ROW WHEN (
+        OLD.held_from IS NOT NULL AND NEW.held_from IS NOT DISTINCT FROM OLD.held_from
+        AND (NEW.status IS DISTINCT FROM OLD.status OR NEW.retries IS DISTINCT FROM OLD.retries))
+    EXECUTE FUNCTION outbox_event_held_clear();
+
 DO $$
 BEGIN
     EXECUTE format('ALTER FUNCTION outbox_event_unhold() SET search_path = %I, pg_temp', current_schema());
+    EXECUTE format('ALTER FUNCTION outbox_event_held_clear() SET search_path = %I, pg_temp', current_schema());
     REVOKE ALL ON FUNCTION outbox_event_unhold() FROM PUBLIC;
+    REVOKE ALL ON FUNCTION outbox_event_held_clear() FROM PUBLIC;
 END
 $$;
 
