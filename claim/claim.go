@@ -39,6 +39,7 @@ import (
 	"github.com/outboxhq/outbox/alert"
 	"github.com/outboxhq/outbox/internal/jsonlimit"
 	"github.com/outboxhq/outbox/internal/lockorder"
+	"github.com/outboxhq/outbox/internal/schemacheck"
 	outboxriver "github.com/outboxhq/outbox/river"
 	"github.com/outboxhq/outbox/route"
 )
@@ -315,12 +316,6 @@ SELECT count(*) FROM moved`
 // back at once (outbox_event_unhold), or, in a race with the hold's
 // commit, within holdFor.
 const holdFor = time.Minute
-
-// holdColumnSQL reports whether migration 021 (held_from, and the trigger
-// that puts held events back) is applied.
-const holdColumnSQL = `SELECT EXISTS (
-    SELECT 1 FROM pg_attribute
-    WHERE attrelid = 'outbox_event'::regclass AND attname = 'held_from' AND NOT attisdropped)`
 
 // recordFailureSQL records one failed attempt. Backoff is 1, 2, 4, 8, 16, 32
 // minutes for the 1st to 6th failure (then 32); after more than $3 failures
@@ -1243,9 +1238,9 @@ func (h *Handoff) canHold(ctx context.Context, tx pgx.Tx) (bool, error) {
 			return false, nil
 		}
 	}
-	var ok bool
-	if err := tx.QueryRow(ctx, holdColumnSQL).Scan(&ok); err != nil {
-		return false, fmt.Errorf("look for migration 021: %w", err)
+	ok, err := schemacheck.HeldFrom(ctx, tx)
+	if err != nil {
+		return false, err
 	}
 	if ok {
 		h.holds.Store(1)

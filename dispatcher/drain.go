@@ -175,7 +175,8 @@ func (dr *drain) batch(key *claim.Key) (claim.Result, int, bool, error) {
 	if res.BlockedSoon {
 		dr.soon.Store(true)
 	}
-	if res.Blocked > 0 {
+	if res.Blocked > res.Held {
+		// Some stay due (their due time was not moved).
 		dr.held.Store(true)
 	}
 	if res.Claimed > 0 {

@@ -1,7 +1,6 @@
 package dispatcher_test
 
 import (
-	"context"
 	"encoding/json"
 	"sync/atomic"
 	"testing"
@@ -47,7 +46,7 @@ func TestHeldBehindADelayedEventLeavesTheClaim(t *testing.T) {
 	ids := heldKey(t, s, outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(`{"head":true}`), NotBefore: due}, n)
 	unrelated := pgtest.Publish(t, s.Pool, outbox.Event{Type: "mail.user.welcome", Payload: json.RawMessage(`{}`)})[0]
 	claimed, onBatch := claimCounter()
-	start(t, s.Pool, dispatcher.Config{PollInterval: 100 * time.Millisecond, BatchSize: 100, OnBatch: onBatch})
+	d := start(t, s.Pool, dispatcher.Config{PollInterval: 100 * time.Millisecond, BatchSize: 100, OnBatch: onBatch})
 	pgtest.WaitFor(t, 30*time.Second, "the unrelated event handed off", func() bool { return status(t, s.Pool, unrelated) == "done" })
 	pgtest.WaitFor(t, 30*time.Second, "the key's events held until the head's due time", func() bool {
 		return pgtest.Count(t, s.Pool, `
@@ -56,7 +55,7 @@ func TestHeldBehindADelayedEventLeavesTheClaim(t *testing.T) {
 			  AND e.status = 'pending' AND e.held_from IS NOT NULL AND e.scheduled_at = h.scheduled_at`, ids[0]) == n
 	})
 	before := claimed.Load()
-	time.Sleep(time.Second) // ten polls
+	waitPolls(t, d, 10)
 	switch again := claimed.Load() - before; {
 	case time.Now().After(due.Add(-100 * time.Millisecond)):
 		t.Logf("a slow machine: the head fell due before the ten polls were over (%d events claimed meanwhile)", again)
@@ -66,21 +65,10 @@ func TestHeldBehindADelayedEventLeavesTheClaim(t *testing.T) {
 	pgtest.WaitFor(t, 60*time.Second, "every event handed off once the head is due", func() bool {
 		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done'`) == n+2
 	})
-	if k := pgtest.Count(t, s.Pool, `
-		SELECT count(*) FROM (
-			SELECT (metadata->>'outbox_ordering_position')::bigint AS pos,
-			       lag((metadata->>'outbox_ordering_position')::bigint) OVER (ORDER BY id) AS prev
-			FROM river_job WHERE metadata ? 'outbox_ordering_key') j
-		WHERE pos < prev`); k != 0 {
+	if k := jobsOutOfKeyOrder(t, s.Pool); k != 0 {
 		t.Fatalf("%d jobs of the key inserted after a job of a later position", k)
 	}
-	var first int64
-	if err := s.Pool.QueryRow(context.Background(), `
-		SELECT (metadata->>'outbox_event_id')::bigint FROM river_job
-		WHERE metadata ? 'outbox_ordering_key' ORDER BY id LIMIT 1`).Scan(&first); err != nil {
-		t.Fatal(err)
-	}
-	if first != ids[0] {
+	if first := firstKeyedJobEvent(t, s.Pool); first != ids[0] {
 		t.Fatalf("the key's first job is of event %d, want the head %d", first, ids[0])
 	}
 }
@@ -96,7 +84,7 @@ func TestHeldBehindADeadLetterComeBackWhenItIsCancelled(t *testing.T) {
 	const n = 150
 	ids := heldKey(t, s, outbox.Event{Type: "nowhere.user.welcome", Payload: json.RawMessage(`{}`)}, n)
 	claimed, onBatch := claimCounter()
-	start(t, s.Pool, dispatcher.Config{PollInterval: 100 * time.Millisecond, BatchSize: 100, OnBatch: onBatch})
+	d := start(t, s.Pool, dispatcher.Config{PollInterval: 100 * time.Millisecond, BatchSize: 100, OnBatch: onBatch})
 	pgtest.WaitFor(t, 30*time.Second, "the head dead-lettered and the key's events held a minute", func() bool {
 		return status(t, s.Pool, ids[0]) == "failed" && pgtest.Count(t, s.Pool, `
 			SELECT count(*) FROM outbox_event
@@ -104,7 +92,7 @@ func TestHeldBehindADeadLetterComeBackWhenItIsCancelled(t *testing.T) {
 			  AND scheduled_at > now() + interval '30 seconds'`) == n
 	})
 	before := claimed.Load()
-	time.Sleep(time.Second)
+	waitPolls(t, d, 10)
 	if again := claimed.Load() - before; again != 0 {
 		t.Fatalf("%d events claimed again in ten polls while the key waits for a dead letter", again)
 	}

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxhq/outbox"
 	"github.com/outboxhq/outbox/claim"
@@ -56,6 +57,39 @@ func keyBacklog(t *testing.T, s *pgtest.Schema, delay time.Duration, n, m int) (
 	return publishAll(t, s, events)[0]
 }
 
+// jobsOutOfKeyOrder counts the keyed River jobs inserted after a job of a
+// later ordering position (of a single key's backlog: job ids must rise
+// with the position).
+func jobsOutOfKeyOrder(t *testing.T, pool *pgxpool.Pool) int {
+	t.Helper()
+	return pgtest.Count(t, pool, `
+		SELECT count(*) FROM (
+			SELECT (metadata->>'outbox_ordering_position')::bigint AS pos,
+			       lag((metadata->>'outbox_ordering_position')::bigint) OVER (ORDER BY id) AS prev
+			FROM river_job WHERE metadata ? 'outbox_ordering_key') j
+		WHERE pos < prev`)
+}
+
+// firstKeyedJobEvent is the event of the first keyed River job inserted.
+func firstKeyedJobEvent(t *testing.T, pool *pgxpool.Pool) int64 {
+	t.Helper()
+	var first int64
+	if err := pool.QueryRow(context.Background(), `
+		SELECT (metadata->>'outbox_event_id')::bigint FROM river_job
+		WHERE metadata ? 'outbox_ordering_key' ORDER BY id LIMIT 1`).Scan(&first); err != nil {
+		t.Fatal(err)
+	}
+	return first
+}
+
+// waitPolls waits until d has run n more poll ticks than it had at the
+// call: a span of the dispatcher's own time, not of the test's clock.
+func waitPolls(t *testing.T, d *dispatcher.Dispatcher, n int64) {
+	t.Helper()
+	want := d.Stats().Polls + n
+	pgtest.WaitFor(t, 60*time.Second, "the dispatcher's poll ticks", func() bool { return d.Stats().Polls >= want })
+}
+
 // publishAll publishes events in one transaction and returns their ids.
 func publishAll(t *testing.T, s *pgtest.Schema, events []outbox.Event) []int64 {
 	t.Helper()
@@ -94,13 +128,7 @@ func TestDrainReachesAnEarlierEventLaterInClaimOrder(t *testing.T) {
 	pgtest.WaitFor(t, 30*time.Second, "every event handed off once the head is due", func() bool {
 		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done'`) == 1+n+m
 	})
-	var first int64
-	if err := s.Pool.QueryRow(context.Background(), `
-		SELECT (metadata->>'outbox_event_id')::bigint FROM river_job
-		WHERE metadata ? 'outbox_ordering_key' ORDER BY id LIMIT 1`).Scan(&first); err != nil {
-		t.Fatal(err)
-	}
-	if first != head {
+	if first := firstKeyedJobEvent(t, s.Pool); first != head {
 		t.Fatalf("the key's first job is of event %d, want the head %d", first, head)
 	}
 }
@@ -166,12 +194,7 @@ func TestHotKeyBacklogIsWalked(t *testing.T) {
 	}
 	// The jobs were inserted in the key's order: job ids rise with the
 	// position.
-	if k := pgtest.Count(t, s.Pool, `
-		SELECT count(*) FROM (
-			SELECT (metadata->>'outbox_ordering_position')::bigint AS pos,
-			       lag((metadata->>'outbox_ordering_position')::bigint) OVER (ORDER BY id) AS prev
-			FROM river_job WHERE metadata ? 'outbox_ordering_key') j
-		WHERE pos < prev`); k != 0 {
+	if k := jobsOutOfKeyOrder(t, s.Pool); k != 0 {
 		t.Fatalf("%d jobs of the key inserted after a job of a later position", k)
 	}
 	if j := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job`); j != n {
@@ -267,11 +290,14 @@ func TestHeldKeyIsNotClaimedOverAndOver(t *testing.T) {
 		t.Fatal(err)
 	}
 	var claimed atomic.Int64
-	start(t, s.Pool, dispatcher.Config{PollInterval: time.Second, OnBatch: func(r claim.Result) { claimed.Add(int64(r.Claimed)) }})
-	time.Sleep(3 * time.Second)
-	t.Logf("the held event was claimed %d times in 3 s", claimed.Load())
-	if n := claimed.Load(); n > 2 {
-		t.Fatalf("the held event was claimed %d times in 3 s, want once (twice if a claim raced the first one's commit)", n)
+	d := start(t, s.Pool, dispatcher.Config{PollInterval: time.Second, OnBatch: func(r claim.Result) { claimed.Add(int64(r.Claimed)) }})
+	waitPolls(t, d, 3)
+	t.Logf("the held event was claimed %d times in three poll ticks", claimed.Load())
+	switch n := claimed.Load(); {
+	case status(t, s.Pool, first) == "done":
+		t.Logf("a slow machine: the delayed event fell due during the three ticks (%d claims)", n)
+	case n > 2:
+		t.Fatalf("the held event was claimed %d times in three poll ticks, want once (twice if a claim raced the first one's commit)", n)
 	}
 	pgtest.WaitFor(t, 60*time.Second, "both events handed off once the first is due", func() bool {
 		return status(t, s.Pool, first) == "done" && status(t, s.Pool, second) == "done"

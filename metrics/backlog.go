@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/outboxhq/outbox/internal/schemacheck"
 )
 
 // Backlog splits the pending events at the database's now(): the due ones
@@ -76,14 +78,6 @@ var (
        0::bigint` + backlogFromSQL
 )
 
-// heldColumnSQL reports whether outbox_event has held_from (migration
-// 021). It is asked at every read, not remembered: one process may read
-// schemas of several versions (a pool per schema), and the catalog lookup
-// costs a round trip, not a scan.
-const heldColumnSQL = `SELECT EXISTS (
-    SELECT 1 FROM pg_attribute
-    WHERE attrelid = 'outbox_event'::regclass AND attname = 'held_from' AND NOT attisdropped)`
-
 // Querier is what ReadBacklog needs: a pgx.Tx, *pgx.Conn or *pgxpool.Pool.
 type Querier interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
@@ -101,9 +95,12 @@ func ReadBacklog(ctx context.Context, q Querier, behind time.Duration) (Backlog,
 		nextS   float64
 		next    *time.Time
 	)
-	var withHeld bool
-	if err := q.QueryRow(ctx, heldColumnSQL).Scan(&withHeld); err != nil {
-		return Backlog{}, fmt.Errorf("look for migration 021: %w", err)
+	// Asked at every read, not remembered: one process may read schemas
+	// of several versions (a pool per schema), and the lookup costs a
+	// round trip, not a scan.
+	withHeld, err := schemacheck.HeldFrom(ctx, q)
+	if err != nil {
+		return Backlog{}, err
 	}
 	query := backlogNoHeldSQL
 	if withHeld {

@@ -82,3 +82,21 @@ func schemaName(ctx context.Context, q Querier) string {
 	}
 	return s
 }
+
+// heldFromSQL reports whether outbox_event has held_from, which migration
+// 021 adds with the triggers that put held events back (in one
+// transaction, so the column stands for both).
+const heldFromSQL = `SELECT EXISTS (
+    SELECT 1 FROM pg_attribute
+    WHERE attrelid = 'outbox_event'::regclass AND attname = 'held_from' AND NOT attisdropped)`
+
+// HeldFrom reports whether the schema q looks in has migration 021: the
+// claim moves held events' due times and the backlog counts them only
+// then. It is one catalog lookup; callers decide whether to remember it.
+func HeldFrom(ctx context.Context, q Querier) (bool, error) {
+	var ok bool
+	if err := q.QueryRow(ctx, heldFromSQL).Scan(&ok); err != nil {
+		return false, fmt.Errorf("look for migration 021 (outbox_event.held_from): %w", err)
+	}
+	return ok, nil
+}
