@@ -54,6 +54,9 @@ func TestHeldBehindADelayedEventLeavesTheClaim(t *testing.T) {
 			WHERE h.id = $1 AND e.ordering_key = 'k' AND e.id <> h.id
 			  AND e.status = 'pending' AND e.held_from IS NOT NULL AND e.scheduled_at = h.scheduled_at`, ids[0]) == n
 	})
+	// The batch that held the last events reports (OnBatch) after its
+	// commit: count from a poll tick on, which comes after the drain.
+	waitPolls(t, d, 1)
 	before := claimed.Load()
 	waitPolls(t, d, 10)
 	switch again := claimed.Load() - before; {
@@ -91,6 +94,9 @@ func TestHeldBehindADeadLetterComeBackWhenItIsCancelled(t *testing.T) {
 			WHERE ordering_key = 'k' AND status = 'pending' AND held_from IS NOT NULL
 			  AND scheduled_at > now() + interval '30 seconds'`) == n
 	})
+	// The batch that held the last events reports (OnBatch) after its
+	// commit: count from a poll tick on, which comes after the drain.
+	waitPolls(t, d, 1)
 	before := claimed.Load()
 	waitPolls(t, d, 10)
 	if again := claimed.Load() - before; again != 0 {
