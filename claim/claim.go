@@ -1208,7 +1208,16 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 			return res, nil, err
 		}
 		if ok {
-			final = append(final, queued{what: "hold back events for their key", sql: holdSQL, args: []any{hold, holdFor.Seconds()}, row: []any{&held}})
+			// Optional: the hold only spares later claims a look at
+			// events that cannot move yet. When it fails, the batch's
+			// handoff commits without it and its events stay due, as on a
+			// schema before 021.
+			final = append(final, queued{what: "hold back events for their key", sql: holdSQL, args: []any{hold, holdFor.Seconds()}, row: []any{&held},
+				optional: true, onFail: func(err error) {
+					held = 0
+					h.logger().Warn("outbox: holding back events for their ordering key failed; the batch is handed off without it and they stay due",
+						slog.Int("events", len(hold)), slog.String("error", err.Error()))
+				}})
 		}
 	}
 	check := func() error {

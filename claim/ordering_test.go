@@ -1,9 +1,12 @@
 package claim_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"log/slog"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -170,6 +173,52 @@ func TestHoldOnASchemaBefore021(t *testing.T) {
 		if res := batch(t, h); res.Claimed != 1 || res.Blocked != 1 || res.Held != 0 || res.Done != 0 {
 			t.Fatalf("batch on a schema before 021: %+v, want the later event blocked, not held, claimed again", res)
 		}
+	}
+}
+
+// TestHoldFailureKeepsTheBatch: the hold runs under a savepoint, so when
+// it fails (here a trigger of the user's rejects it) the batch's handoff
+// commits without it: the other events are handed off in the same
+// transaction, not event by event, the held event stays due with its own
+// due time, and the failure is logged.
+func TestHoldFailureKeepsTheBatch(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 30*time.Second)
+	if _, err := s.Pool.Exec(ctx, `
+		CREATE FUNCTION reject_hold() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN RAISE EXCEPTION 'no holds here'; END $$;
+		CREATE TRIGGER reject_hold BEFORE UPDATE ON outbox_event
+			FOR EACH ROW WHEN (OLD.held_from IS NULL AND NEW.held_from IS NOT NULL)
+			EXECUTE FUNCTION reject_hold()`); err != nil {
+		t.Fatal(err)
+	}
+	var logged bytes.Buffer
+	h := newHandoff(t, s.Pool, 6, nil)
+	h.Logger = slog.New(slog.NewTextHandler(&logged, nil))
+	first := keyed("", "k")
+	first.NotBefore = time.Now().Add(time.Hour)
+	ids := pgtest.Publish(t, s.Pool, first, keyed("", "k"), outbox.Event{Type: "mail.user.welcomed"})
+
+	res := batch(t, h)
+	if res.Claimed != 2 || res.Done != 1 || res.Blocked != 1 || res.Held != 0 || res.Fallback {
+		t.Fatalf("batch whose hold fails: %+v, want the unkeyed event done in the batch and the later event blocked, not held", res)
+	}
+	wantStatus(t, s.Pool, "the unkeyed event", ids[2], "done", 0, 1)
+	wantStatus(t, s.Pool, "the held-back event", ids[1], "pending", 0, 0)
+	if r := get(t, s.Pool, ids[1]); r.delay > 0 {
+		t.Errorf("the held-back event is due in %v, want its own due time (now)", r.delay)
+	}
+	var heldFrom *time.Time
+	if err := s.Pool.QueryRow(ctx, `SELECT held_from FROM outbox_event WHERE id = $1`, ids[1]).Scan(&heldFrom); err != nil || heldFrom != nil {
+		t.Errorf("held_from of the held-back event = %v, %v; want NULL", heldFrom, err)
+	}
+	if !strings.Contains(logged.String(), "no holds here") {
+		t.Errorf("the hold's failure is not logged; log: %q", logged.String())
+	}
+	// The next batch finds the event again (as on a schema before 021).
+	if res := batch(t, h); res.Claimed != 1 || res.Blocked != 1 || res.Done != 0 {
+		t.Fatalf("next batch: %+v, want the later event claimed and blocked again", res)
 	}
 }
 

@@ -69,25 +69,48 @@ func readClaim(br pgx.BatchResults, execs int, scan pgx.RowToFunc[Event]) ([]Eve
 }
 
 // queued is one statement of the final step of a batch. A statement with
-// row returns one row, scanned into it.
+// row returns one row, scanned into it. An optional statement runs under a
+// savepoint: when it fails, finish rolls back to the savepoint, passes its
+// error to the statement's onFail and commits the rest. Only the last
+// statement may be optional: after a failed statement Postgres skips the
+// rest of the round trip.
 type queued struct {
-	what string
-	sql  string
-	args []any
-	row  []any
+	what     string
+	sql      string
+	args     []any
+	row      []any
+	optional bool
+	onFail   func(error)
 }
+
+// optionalSavepoint is the savepoint an optional statement runs under.
+const optionalSavepoint = "outbox_optional"
 
 // finish runs the final statements of a batch in tx, in one round trip,
 // then check (if not nil) on what they returned, and commits.
 func finish(ctx context.Context, tx pgx.Tx, stmts []queued, check func() error) error {
 	if len(stmts) > 0 {
 		b := &pgx.Batch{}
-		for _, s := range stmts {
+		for i, s := range stmts {
+			if s.optional {
+				if i != len(stmts)-1 {
+					return fmt.Errorf("%s: only the last statement of a batch can be optional", s.what)
+				}
+				b.Queue("SAVEPOINT " + optionalSavepoint)
+			}
 			b.Queue(s.sql, s.args...)
 		}
 		br := tx.SendBatch(ctx, b)
+		closed := false
 		for _, s := range stmts {
 			var err error
+			if s.optional {
+				_, err = br.Exec()
+				if err != nil {
+					_ = br.Close()
+					return fmt.Errorf("savepoint before %s: %w", s.what, err)
+				}
+			}
 			if s.row != nil {
 				err = br.QueryRow().Scan(s.row...)
 			} else {
@@ -95,11 +118,22 @@ func finish(ctx context.Context, tx pgx.Tx, stmts []queued, check func() error) 
 			}
 			if err != nil {
 				_ = br.Close()
-				return fmt.Errorf("%s: %w", s.what, err)
+				closed = true
+				if !s.optional || ctx.Err() != nil {
+					return fmt.Errorf("%s: %w", s.what, err)
+				}
+				if _, rerr := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT "+optionalSavepoint); rerr != nil {
+					return fmt.Errorf("%s: %w (and rolling back to its savepoint: %w)", s.what, err, rerr)
+				}
+				if s.onFail != nil {
+					s.onFail(fmt.Errorf("%s: %w", s.what, err))
+				}
 			}
 		}
-		if err := br.Close(); err != nil {
-			return err
+		if !closed {
+			if err := br.Close(); err != nil {
+				return err
+			}
 		}
 	}
 	if check != nil {

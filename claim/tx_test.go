@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"net"
+	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -373,5 +375,64 @@ func (f *freezer) pipe(dst, src net.Conn) {
 		if _, err := dst.Write(buf[:n]); err != nil {
 			return
 		}
+	}
+}
+
+// TestFinishOptionalStatement: a failing optional statement (the last of
+// the batch, under a savepoint) is rolled back alone, reported to its
+// onFail, and the statements before it commit; a failing statement that is
+// not optional fails the whole transaction; an optional statement that is
+// not last is refused before anything is sent.
+func TestFinishOptionalStatement(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 30*time.Second)
+	if _, err := s.Pool.Exec(ctx, `CREATE TABLE finish_probe (what text)`); err != nil {
+		t.Fatal(err)
+	}
+	insert := func(what string) queued {
+		return queued{what: "insert " + what, sql: `INSERT INTO finish_probe VALUES ($1)`, args: []any{what}}
+	}
+	failing := queued{what: "fail", sql: `INSERT INTO finish_probe SELECT 'never' WHERE 1/0 = 1`}
+	run := func(stmts ...queued) error {
+		tx, err := s.Pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer rollback(ctx, tx)
+		return finish(ctx, tx, stmts, nil)
+	}
+
+	var failed error
+	opt := failing
+	opt.optional, opt.onFail = true, func(err error) { failed = err }
+	var n int
+	optRow := queued{what: "count", sql: `SELECT count(*) FROM finish_probe`, row: []any{&n}, optional: true}
+	if err := run(insert("kept"), optRow); err != nil || n != 1 {
+		t.Fatalf("finish with an optional statement that succeeds: %v, count %d, want nil and 1", err, n)
+	}
+	if err := run(insert("kept too"), opt); err != nil {
+		t.Fatalf("finish with a failing optional statement: %v, want nil", err)
+	}
+	if failed == nil || !strings.Contains(failed.Error(), "division by zero") {
+		t.Errorf("onFail got %v, want the division by zero", failed)
+	}
+	if err := run(insert("lost"), failing); err == nil || !strings.Contains(err.Error(), "division by zero") {
+		t.Errorf("finish with a failing statement: %v, want the division by zero", err)
+	}
+	if err := run(opt, insert("not sent")); err == nil || !strings.Contains(err.Error(), "only the last statement") {
+		t.Errorf("finish with an optional statement not last: %v, want it refused", err)
+	}
+	var got []string
+	rows, err := s.Pool.Query(ctx, `SELECT what FROM finish_probe ORDER BY what`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(got, []string{"kept", "kept too"}) {
+		t.Errorf("rows committed: %q, want kept and kept too", got)
 	}
 }

@@ -146,3 +146,53 @@ func TestUnholdPutsHeldEventsBack(t *testing.T) {
 		t.Fatalf("%d events held after a pending event of their key was handed off, want 1 (the trigger fires only when a held key can move early)", n)
 	}
 }
+
+// TestBulkCancelOfOneKeyIsLinear (migration 022): a statement that cancels
+// or deletes many delayed events of one key fires the unhold trigger for
+// each row; each firing asks the small index of held events first, so the
+// statement reads a few index entries per row. Before 022 each firing
+// walked the index entries of the rows the statement had already changed:
+// about n²/2 entries for n events (2,000,000 for 2,000). The count is the
+// transaction's own (pg_stat_get_xact_tuples_returned of each index), so it does not depend on
+// the machine's speed or on other tests.
+func TestBulkCancelOfOneKeyIsLinear(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 120*time.Second)
+	const n = 2000
+	for _, c := range []struct{ key, stmt string }{
+		{"cancelled", `UPDATE outbox_event SET status = 'cancelled' WHERE ordering_key = 'cancelled'`},
+		{"deleted", `DELETE FROM outbox_event WHERE ordering_key = 'deleted'`},
+	} {
+		if _, err := s.Pool.Exec(ctx, `
+			INSERT INTO outbox_event (event_type, payload, ordering_key, scheduled_at)
+			SELECT 'mail.order.reminder', '{}', $1, now() + interval '1 day' FROM generate_series(1, $2)`, c.key, n); err != nil {
+			t.Fatal(err)
+		}
+		tx, err := s.Pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tag, err := tx.Exec(ctx, c.stmt)
+		if err != nil || tag.RowsAffected() != n {
+			_ = tx.Rollback(ctx)
+			t.Fatalf("%s: %v, %d rows, want %d", c.stmt, err, tag.RowsAffected(), n)
+		}
+		var read, scans int64
+		if err := tx.QueryRow(ctx, `
+			SELECT coalesce(sum(pg_stat_get_xact_tuples_returned(indexrelid)), 0), coalesce(sum(pg_stat_get_xact_numscans(indexrelid)), 0)
+			FROM pg_index WHERE indrelid = 'outbox_event'::regclass`).Scan(&read, &scans); err != nil {
+			_ = tx.Rollback(ctx)
+			t.Fatal(err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if read > 20*n {
+			t.Errorf("%s of %d delayed events of one key read %d index entries of outbox_event, want at most %d (a few per row)", c.key, n, read, 20*n)
+		}
+		if scans < n {
+			t.Errorf("%s of %d delayed events of one key made %d index scans of outbox_event, fewer than its rows: the count does not see the trigger's probes", c.key, n, scans)
+		}
+	}
+}
