@@ -388,8 +388,9 @@ type Handoff struct {
 	// plainLeft counts down the batches that use the plain claim after
 	// one in which the statement handed nothing off (plainBatches).
 	plainLeft atomic.Int32
-	// holds says whether the schema has migration 021 (holdSQL): 0 not
-	// known yet, 1 yes, 2 no, looked at again after holdCheckAt (Unix ns).
+	// holds says whether the batches hold events back (holdSQL): 0 not
+	// known yet, 1 yes, 2 no (a schema before migration 021, or a hold
+	// that failed), looked at again after holdCheckAt (Unix ns).
 	holds       atomic.Int32
 	holdCheckAt atomic.Int64
 }
@@ -1211,11 +1212,15 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 			// Optional: the hold only spares later claims a look at
 			// events that cannot move yet. When it fails, the batch's
 			// handoff commits without it and its events stay due, as on a
-			// schema before 021.
+			// schema before 021; holds are then off for a minute (as on
+			// such a schema), so a hold that keeps failing costs neither a
+			// savepoint's rollback nor a warning per batch.
 			final = append(final, queued{what: "hold back events for their key", sql: holdSQL, args: []any{hold, holdFor.Seconds()}, row: []any{&held},
 				optional: true, onFail: func(err error) {
 					held = 0
-					h.logger().Warn("outbox: holding back events for their ordering key failed; the batch is handed off without it and they stay due",
+					h.holdCheckAt.Store(time.Now().Add(time.Minute).UnixNano())
+					h.holds.Store(2)
+					h.logger().Warn("outbox: holding back events for their ordering key failed; the batch is handed off without it, they stay due, and holds are off for a minute",
 						slog.Int("events", len(hold)), slog.String("error", err.Error()))
 				}})
 		}

@@ -73,7 +73,9 @@ func readClaim(br pgx.BatchResults, execs int, scan pgx.RowToFunc[Event]) ([]Eve
 // savepoint: when it fails, finish rolls back to the savepoint, passes its
 // error to the statement's onFail and commits the rest. Only the last
 // statement may be optional: after a failed statement Postgres skips the
-// rest of the round trip.
+// rest of the round trip. An error that pgx raises before anything is sent
+// (it prepares every statement of the batch first: an optional statement
+// that no longer parses, after a schema change) fails the whole batch.
 type queued struct {
 	what     string
 	sql      string

@@ -3,6 +3,7 @@ package outboxsql_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -210,4 +211,41 @@ func sp(v ...string) []*string {
 		out[i] = &v[i]
 	}
 	return out
+}
+
+// TestDefinerFunctionsPinTheirSearchPath: every SECURITY DEFINER function
+// of the schema, trigger functions included, runs with search_path set to
+// the schema and pg_temp, whichever migration last replaced it (CREATE OR
+// REPLACE drops a setting that ALTER FUNCTION added, so each replacement
+// must set it again, as 022 does for outbox_event_unhold).
+func TestDefinerFunctionsPinTheirSearchPath(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 2})
+	ctx := pgtest.Context(t, 60*time.Second)
+	rows, err := s.Pool.Query(ctx, `
+		SELECT p.oid::regprocedure::text, coalesce(p.proconfig, '{}')
+		FROM pg_proc p WHERE p.pronamespace = $1::regnamespace AND p.prosecdef
+		ORDER BY 1`, s.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type fn struct {
+		Name   string
+		Config []string
+	}
+	fns, err := pgx.CollectRows(rows, pgx.RowToStructByPos[fn])
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "search_path=" + s.Name + ", pg_temp"
+	seen := false
+	for _, f := range fns {
+		seen = seen || f.Name == "outbox_event_unhold()"
+		if !slices.Contains(f.Config, want) {
+			t.Errorf("%s: config %v, want %s among them", f.Name, f.Config, want)
+		}
+	}
+	if !seen || len(fns) < 10 {
+		t.Errorf("found %d SECURITY DEFINER functions, outbox_event_unhold() among them: %v; want it and the rest", len(fns), seen)
+	}
 }
