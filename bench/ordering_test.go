@@ -3,6 +3,7 @@ package main
 import (
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -106,6 +107,7 @@ func TestOrderingGoals(t *testing.T) {
 		},
 		HotPerEventMs: 1.6, Gap: &Summary{P99: 5.2, Count: 10}, GapAfterHandoff: &Summary{P99: 3.1, Count: 5},
 		FloorPerEventMs: 1.5, FloorGap: &Summary{P99: 2.6, Count: 10},
+		UnorderedBase: 6000,
 	}
 	got := map[string]Goal{}
 	for _, g := range orderingGoals(r) {
@@ -129,6 +131,22 @@ func TestOrderingGoals(t *testing.T) {
 			t.Errorf("%s = %+v, want measured %q pass %v", name, g, w.measured, w.pass)
 		}
 	}
+	// The unordered drain again after the many-keys one: the ratio is
+	// over the mean of both.
+	two := *r
+	two.Runs = slices.Insert(slices.Clone(r.Runs), 2, OrderingRun{Mode: ordUnorderedAgain, PerSecond: 5000})
+	two.UnorderedBase = 5500
+	two.Runs[1].Ratio = 2880.0 / 5500
+	var keys Goal
+	for _, g := range orderingGoals(&two) {
+		if g.Name == "ordering: 10000 keys × 10 vs unordered" {
+			keys = g
+		}
+	}
+	if want := "0.52× (2880 vs 5500 ev/s; the mean of unordered 6000 before and 5000 after)"; keys.Measured != want || !keys.Pass {
+		t.Errorf("many keys with the unordered drain on both sides = %+v, want measured %q, pass", keys, want)
+	}
+
 	r.Runs[2].Violations = 3
 	r.Runs = r.Runs[1:] // no unordered drain: no ratio
 	got = map[string]Goal{}
