@@ -160,3 +160,24 @@ func TestOrderingGoals(t *testing.T) {
 		t.Errorf("violations goal %+v, want 3, failed", v)
 	}
 }
+
+// TestAdjacentUnordered: each ordered drain's ratio divides by the
+// unordered drains next to it, the many-keys one by the mean of the one
+// before and the one after; a run with none next to it, and an unordered
+// drain itself, by the mean of all.
+func TestAdjacentUnordered(t *testing.T) {
+	t.Parallel()
+	runs := []OrderingRun{
+		{Mode: ordNoTriggers, PerSecond: 1},
+		{Mode: ordUnordered, PerSecond: 6000},
+		{Mode: ordKeys, PerSecond: 1},
+		{Mode: ordUnorderedAgain, PerSecond: 4000},
+		{Mode: ordHot, PerSecond: 1},
+		{Mode: ordChainFloor, PerSecond: 1},
+	}
+	for i, want := range []float64{6000, 5000, 5000, 5000, 4000, 5000} {
+		if got := adjacentUnordered(runs, i, 5000); got != want {
+			t.Errorf("%s: baseline %v, want %v", runs[i].Mode, got, want)
+		}
+	}
+}
