@@ -17,6 +17,9 @@
 -- returns after one probe of a small index. Only when held events exist
 -- does it go on to the earlier-event check and the update, as before.
 --
+-- The function's body is 021's restated whole (CREATE OR REPLACE needs the
+-- whole body), with the first probe added before 021's two steps.
+--
 -- The index is built CONCURRENTLY (no lock that blocks producers or the
 -- dispatcher); on a fresh install the migrator leaves CONCURRENTLY out. An
 -- event is in the index only while it is held: the updates of events that
