@@ -252,7 +252,7 @@ func runOrdering(ctx context.Context, e *env, o *Options) (*OrderingResults, err
 			res.Runs[i].Ratio = res.Runs[i].PerSecond / adjacentUnordered(res.Runs, i, res.UnorderedBase)
 		}
 		for _, run := range res.Runs {
-			logf("ordering: %s: %.2f× the unordered base (%.0f ev/s)", run.Mode, run.Ratio, res.UnorderedBase)
+			logf("ordering: %s: %.2f× the unordered drains next to it (their mean over the run: %.0f ev/s)", run.Mode, run.Ratio, res.UnorderedBase)
 		}
 	}
 	if res.Gap != nil {
