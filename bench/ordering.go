@@ -252,7 +252,11 @@ func runOrdering(ctx context.Context, e *env, o *Options) (*OrderingResults, err
 			res.Runs[i].Ratio = res.Runs[i].PerSecond / adjacentUnordered(res.Runs, i, res.UnorderedBase)
 		}
 		for _, run := range res.Runs {
-			logf("ordering: %s: %.2f× the unordered drains next to it (their mean over the run: %.0f ev/s)", run.Mode, run.Ratio, res.UnorderedBase)
+			of := "the unordered drains next to it"
+			if run.Mode == ordUnordered || run.Mode == ordUnorderedAgain {
+				of = "the unordered drains' mean"
+			}
+			logf("ordering: %s: %.2f× %s (the mean: %.0f ev/s)", run.Mode, run.Ratio, of, res.UnorderedBase)
 		}
 	}
 	if res.Gap != nil {
