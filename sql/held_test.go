@@ -1,8 +1,11 @@
 package outboxsql_test
 
 import (
+	"context"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/outboxhq/outbox/internal/pgtest"
 )
@@ -195,5 +198,83 @@ func TestBulkCancelOfOneKeyIsLinear(t *testing.T) {
 		if scans < n {
 			t.Errorf("%s of %d delayed events of one key made %d index scans of outbox_event, fewer than its rows: the count does not see the trigger's probes", c.key, n, scans)
 		}
+	}
+}
+
+// TestUnholdWakesAtCommit (migration 023): the statement that puts held
+// events back (here the key's delayed first event given an earlier due
+// time) takes no wake lock in the operator's transaction, so a transaction
+// left open keeps no dispatcher from going idle; and at its commit an idle
+// dispatcher (the test holds the wake lock as one does) is notified.
+// Before 023 the trigger took the lock's shared form in the statement and
+// kept it until the transaction ended.
+func TestUnholdWakesAtCommit(t *testing.T) {
+	t.Parallel()
+	s := pgtest.NewSchema(t, nil)
+	ctx := pgtest.Context(t, 60*time.Second)
+	heldBehindDelayed := func(k string) (head, a int64) {
+		t.Helper()
+		if err := s.Pool.QueryRow(ctx, `INSERT INTO outbox_event (event_type, payload, ordering_key, scheduled_at) VALUES ('mail.order.sent', '{}', $1, now() + interval '1 hour') RETURNING id`, k).Scan(&head); err != nil {
+			t.Fatal(err)
+		}
+		a = keyedEvent(t, ctx, s.Pool, k)
+		if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET held_from = scheduled_at, scheduled_at = now() + interval '1 minute' WHERE id = $1`, a); err != nil {
+			t.Fatal(err)
+		}
+		return head, a
+	}
+	unheld := func(q interface {
+		QueryRow(context.Context, string, ...any) pgx.Row
+	}, id int64) bool {
+		t.Helper()
+		var ok bool
+		if err := q.QueryRow(ctx, `SELECT held_from IS NULL AND scheduled_at <= now() FROM outbox_event WHERE id = $1`, id).Scan(&ok); err != nil {
+			t.Fatal(err)
+		}
+		return ok
+	}
+
+	// No dispatcher idle: the open transaction holds no wake lock.
+	head, a := heldBehindDelayed("open")
+	tx, pid := pgtest.OpenTx(t, ctx, s.Pool)
+	if _, err := tx.Exec(ctx, `UPDATE outbox_event SET scheduled_at = now() WHERE id = $1`, head); err != nil {
+		t.Fatal(err)
+	}
+	if !unheld(tx, a) {
+		t.Fatal("the held event is not back after its key's first event got an earlier due time")
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM pg_locks WHERE pid = $1 AND locktype = 'advisory' AND classid = 1868720215`, pid); n != 0 {
+		t.Fatalf("the open transaction holds %d wake locks: no dispatcher could go idle until it ends", n)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	// A dispatcher idle (the wake lock held exclusively, listening): the
+	// commit that puts held events back notifies it. (The events are
+	// published before, while no dispatcher is idle: their inserts notify
+	// nothing.)
+	head, a = heldBehindDelayed("idle")
+	lockConn, err := pgx.Connect(ctx, s.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lockConn.Close(context.Background())
+	if _, err := lockConn.Exec(ctx, `LISTEN outbox_wake`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := lockConn.Exec(ctx, `SELECT pg_advisory_lock(1868720215, outbox_wake_lock_key())`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_event SET scheduled_at = now() WHERE id = $1`, head); err != nil {
+		t.Fatal(err)
+	}
+	if !unheld(s.Pool, a) {
+		t.Fatal("the held event is not back")
+	}
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if n, err := lockConn.WaitForNotification(wctx); err != nil || n.Channel != "outbox_wake" || n.Payload != s.Name {
+		t.Fatalf("no wake after the commit that put the held event back: %+v, %v", n, err)
 	}
 }
