@@ -80,7 +80,7 @@ type EventDetail struct {
 	// HeldFrom is the event's own due time when the dispatcher moved
 	// ScheduledAt to wait for an earlier event of its ordering key
 	// (migration 021, docs/ordering.md "Held in the outbox"); nil when it
-	// was never moved, was put back, or is no longer pending.
+	// was never moved, was put back, is due again, or is no longer pending.
 	HeldFrom    *time.Time `json:"held_from,omitempty"`
 	LockedUntil *time.Time `json:"locked_until"`
 	ProcessedAt *time.Time `json:"processed_at"`
@@ -154,12 +154,15 @@ type Receipt struct {
 }
 
 // explainEventSQL reads held_from through to_jsonb, so that it reads a
-// schema before migration 021 too (as NULL), and only of a pending event:
-// the column is not cleared when a held event goes on.
+// schema before migration 021 too (as NULL), and only while the event is
+// held: pending and not due yet, as the held count of the backlog metrics
+// has it (a hold that ran out leaves held_from until the event's next
+// write).
 const explainEventSQL = `
 SELECT id, event_type, tenant_id, dispatch_key, status::text, retries, last_error,
        created_at, scheduled_at, locked_until, processed_at, coalesce(river_job_ids, '{}'), payload::text, now(),
-       ordering_key, ordering_position, CASE WHEN status = 'pending' THEN (to_jsonb(e) ->> 'held_from')::timestamptz END
+       ordering_key, ordering_position,
+       CASE WHEN status = 'pending' AND scheduled_at > now() THEN (to_jsonb(e) ->> 'held_from')::timestamptz END
 FROM outbox_event e WHERE id = $1`
 
 // explainJobsSQL reads the jobs by primary key: the handoff recorded their

@@ -388,9 +388,8 @@ type Handoff struct {
 	// plainLeft counts down the batches that use the plain claim after
 	// one in which the statement handed nothing off (plainBatches).
 	plainLeft atomic.Int32
-	// holds says whether the batches hold events back (holdSQL): 0 not
-	// known yet, 1 yes, 2 no (a schema before migration 021, or a hold
-	// that failed), looked at again after holdCheckAt (Unix ns).
+	// holds says whether the batches hold events back (holdSQL):
+	// holdsUnknown, holdsOn or holdsOff until holdCheckAt (Unix ns).
 	holds       atomic.Int32
 	holdCheckAt atomic.Int64
 }
@@ -789,7 +788,7 @@ func (h *Handoff) txBatch(ctx context.Context, sql string, fast *fastRoutes, fas
 	res = extent(events)
 	if len(events) == 0 {
 		// Nothing locked, nothing written.
-		return res, finish(tctx, tx, nil, nil)
+		return res, finish(tctx, tx, nil, nil, nil)
 	}
 
 	// The one-statement claim handed some events off already (in this
@@ -877,7 +876,7 @@ func (h *Handoff) one(ctx context.Context, id int64, batchErr error) (Result, er
 	defer rollback(ctx, tx)
 	if len(events) == 0 || events[0].blocked {
 		res.Skipped = 1
-		return res, finish(tctx, tx, nil, nil)
+		return res, finish(tctx, tx, nil, nil, nil)
 	}
 	res.Claimed = 1
 	oneRes, unroutable, err := h.handoff(tctx, tx, events)
@@ -1201,7 +1200,10 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		final = append(final, queued{what: "dead-letter broken rows", sql: markBrokenSQL, args: []any{ids, msgs}})
 		res.Broken = len(broken)
 	}
-	var held int64
+	var (
+		held     int64
+		holdStmt *optional
+	)
 	if len(hold) > 0 {
 		// After the statements above: holdSQL reads what they wrote.
 		ok, err := h.canHold(ctx, tx)
@@ -1212,17 +1214,18 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 			// Optional: the hold only spares later claims a look at
 			// events that cannot move yet. When it fails, the batch's
 			// handoff commits without it and its events stay due, as on a
-			// schema before 021; holds are then off for a minute (as on
-			// such a schema), so a hold that keeps failing costs neither a
-			// savepoint's rollback nor a warning per batch.
-			final = append(final, queued{what: "hold back events for their key", sql: holdSQL, args: []any{hold, holdFor.Seconds()}, row: []any{&held},
-				optional: true, onFail: func(err error) {
-					held = 0
-					h.holdCheckAt.Store(time.Now().Add(time.Minute).UnixNano())
-					h.holds.Store(2)
+			// schema before 021; holds are then off for a while, so a hold
+			// that keeps failing costs neither a savepoint's rollback nor a
+			// warning per batch.
+			holdStmt = &optional{
+				queued: queued{what: "hold back events for their key", sql: holdSQL, args: []any{hold, holdFor.Seconds()}, row: []any{&held}},
+				onFail: func(err error) {
+					held = 0 // Scan may have set it before an error after the row
+					h.turnHoldsOff()
 					h.logger().Warn("outbox: holding back events for their ordering key failed; the batch is handed off without it, they stay due, and holds are off for a minute",
 						slog.Int("events", len(hold)), slog.String("error", err.Error()))
-				}})
+				},
+			}
 		}
 	}
 	check := func() error {
@@ -1232,7 +1235,7 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		}
 		return nil
 	}
-	if err := finish(ctx, tx, final, check); err != nil {
+	if err := finish(ctx, tx, final, holdStmt, check); err != nil {
 		return res, nil, err
 	}
 	res.Held = int(held)
@@ -1240,14 +1243,27 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 	return res, unroutable, nil
 }
 
-// canHold reports whether the schema has migration 021, which holdSQL
-// needs: it looks once, in tx, and on an older schema again once a
-// minute; meanwhile held events are claimed at every poll, as before.
+// The states of Handoff.holds.
+const (
+	holdsUnknown int32 = iota // not looked at yet
+	holdsOn                   // the schema has migration 021
+	holdsOff                  // not until holdCheckAt: an older schema, or a hold failed
+)
+
+// holdsRecheck is how long holds stay off (holdsOff) before canHold looks
+// at the schema again.
+const holdsRecheck = time.Minute
+
+// canHold reports whether batches hold events back (holdSQL): whether the
+// schema has migration 021, which it needs. It looks once, in tx; on an
+// older schema, or after a hold failed (turnHoldsOff), again after
+// holdsRecheck. Meanwhile held events are claimed at every poll, as before
+// 021.
 func (h *Handoff) canHold(ctx context.Context, tx pgx.Tx) (bool, error) {
 	switch h.holds.Load() {
-	case 1:
+	case holdsOn:
 		return true, nil
-	case 2:
+	case holdsOff:
 		if time.Now().UnixNano() < h.holdCheckAt.Load() {
 			return false, nil
 		}
@@ -1257,12 +1273,17 @@ func (h *Handoff) canHold(ctx context.Context, tx pgx.Tx) (bool, error) {
 		return false, err
 	}
 	if ok {
-		h.holds.Store(1)
+		h.holds.Store(holdsOn)
 	} else {
-		h.holdCheckAt.Store(time.Now().Add(time.Minute).UnixNano())
-		h.holds.Store(2)
+		h.turnHoldsOff()
 	}
 	return ok, nil
+}
+
+// turnHoldsOff turns holds off for holdsRecheck.
+func (h *Handoff) turnHoldsOff() {
+	h.holdCheckAt.Store(time.Now().Add(holdsRecheck).UnixNano())
+	h.holds.Store(holdsOff)
 }
 
 // jobLock is the key row an ordered job locks when it is inserted: the

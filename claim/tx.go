@@ -69,72 +69,56 @@ func readClaim(br pgx.BatchResults, execs int, scan pgx.RowToFunc[Event]) ([]Eve
 }
 
 // queued is one statement of the final step of a batch. A statement with
-// row returns one row, scanned into it. An optional statement runs under a
-// savepoint: when it fails, finish rolls back to the savepoint, passes its
-// error to the statement's onFail and commits the rest. Only the last
-// statement may be optional: after a failed statement Postgres skips the
-// rest of the round trip. An error that pgx raises before anything is sent
+// row returns one row, scanned into it.
+type queued struct {
+	what string
+	sql  string
+	args []any
+	row  []any
+}
+
+// read reads s's result from br.
+func (s queued) read(br pgx.BatchResults) error {
+	if s.row != nil {
+		return br.QueryRow().Scan(s.row...)
+	}
+	_, err := br.Exec()
+	return err
+}
+
+// optional is a statement whose failure does not fail its batch: finish
+// runs it after the others, under a savepoint, and when it fails rolls
+// back to the savepoint, passes the error to onFail and commits the rest.
+// (After a failed statement Postgres skips the rest of the round trip, so
+// it can only come last.) An error that pgx raises before anything is sent
 // (it prepares every statement of the batch first: an optional statement
 // that no longer parses, after a schema change) fails the whole batch.
-type queued struct {
-	what     string
-	sql      string
-	args     []any
-	row      []any
-	optional bool
-	onFail   func(error)
+type optional struct {
+	queued
+	onFail func(error)
 }
 
 // optionalSavepoint is the savepoint an optional statement runs under.
 const optionalSavepoint = "outbox_optional"
 
-// finish runs the final statements of a batch in tx, in one round trip,
-// then check (if not nil) on what they returned, and commits.
-func finish(ctx context.Context, tx pgx.Tx, stmts []queued, check func() error) error {
-	if len(stmts) > 0 {
-		b := &pgx.Batch{}
-		for i, s := range stmts {
-			if s.optional {
-				if i != len(stmts)-1 {
-					return fmt.Errorf("%s: only the last statement of a batch can be optional", s.what)
-				}
-				b.Queue("SAVEPOINT " + optionalSavepoint)
-			}
-			b.Queue(s.sql, s.args...)
+// finish runs the final statements of a batch in tx, then opt (if not
+// nil), in one round trip, then check (if not nil) on what they returned,
+// and commits.
+func finish(ctx context.Context, tx pgx.Tx, stmts []queued, opt *optional, check func() error) error {
+	if len(stmts) > 0 || opt != nil {
+		optErr, err := sendFinal(ctx, tx, stmts, opt)
+		if err != nil {
+			return err
 		}
-		br := tx.SendBatch(ctx, b)
-		closed := false
-		for _, s := range stmts {
-			var err error
-			if s.optional {
-				_, err = br.Exec()
-				if err != nil {
-					_ = br.Close()
-					return fmt.Errorf("savepoint before %s: %w", s.what, err)
-				}
+		if optErr != nil {
+			if ctx.Err() != nil {
+				return optErr
 			}
-			if s.row != nil {
-				err = br.QueryRow().Scan(s.row...)
-			} else {
-				_, err = br.Exec()
+			if _, rerr := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT "+optionalSavepoint); rerr != nil {
+				return fmt.Errorf("%w (and rolling back to its savepoint: %w)", optErr, rerr)
 			}
-			if err != nil {
-				_ = br.Close()
-				closed = true
-				if !s.optional || ctx.Err() != nil {
-					return fmt.Errorf("%s: %w", s.what, err)
-				}
-				if _, rerr := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT "+optionalSavepoint); rerr != nil {
-					return fmt.Errorf("%s: %w (and rolling back to its savepoint: %w)", s.what, err, rerr)
-				}
-				if s.onFail != nil {
-					s.onFail(fmt.Errorf("%s: %w", s.what, err))
-				}
-			}
-		}
-		if !closed {
-			if err := br.Close(); err != nil {
-				return err
+			if opt.onFail != nil {
+				opt.onFail(optErr)
 			}
 		}
 	}
@@ -147,4 +131,40 @@ func finish(ctx context.Context, tx pgx.Tx, stmts []queued, check func() error) 
 		return fmt.Errorf("commit: %w", err)
 	}
 	return nil
+}
+
+// sendFinal sends stmts and opt in one round trip and reads their results.
+// It returns opt's failure apart (optErr), after which the transaction
+// waits for a rollback to the savepoint; err is any other failure.
+func sendFinal(ctx context.Context, tx pgx.Tx, stmts []queued, opt *optional) (optErr, err error) {
+	b := &pgx.Batch{}
+	for _, s := range stmts {
+		b.Queue(s.sql, s.args...)
+	}
+	if opt != nil {
+		b.Queue("SAVEPOINT " + optionalSavepoint)
+		b.Queue(opt.sql, opt.args...)
+	}
+	br := tx.SendBatch(ctx, b)
+	defer func() {
+		// After a failed statement Close returns that statement's error
+		// again.
+		if cerr := br.Close(); err == nil && optErr == nil {
+			err = cerr
+		}
+	}()
+	for _, s := range stmts {
+		if err := s.read(br); err != nil {
+			return nil, fmt.Errorf("%s: %w", s.what, err)
+		}
+	}
+	if opt != nil {
+		if _, err := br.Exec(); err != nil {
+			return nil, fmt.Errorf("savepoint before %s: %w", opt.what, err)
+		}
+		if err := opt.read(br); err != nil {
+			return fmt.Errorf("%s: %w", opt.what, err), nil
+		}
+	}
+	return nil, nil
 }

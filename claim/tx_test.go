@@ -97,7 +97,7 @@ func TestBatchTxHonoursThePgxTxContract(t *testing.T) {
 
 	t.Run("every method refuses after Commit", func(t *testing.T) {
 		conn, tx := begin(t)
-		if err := finish(ctx, tx, nil, nil); err != nil {
+		if err := finish(ctx, tx, nil, nil, nil); err != nil {
 			t.Fatal(err)
 		}
 		closedEverywhere(t, conn, tx)
@@ -166,7 +166,7 @@ func TestBatchTxHonoursThePgxTxContract(t *testing.T) {
 		if err := kept.Commit(ctx); err != nil {
 			t.Fatal(err)
 		}
-		if err := finish(ctx, tx, nil, nil); err != nil {
+		if err := finish(ctx, tx, nil, nil, nil); err != nil {
 			t.Fatal(err)
 		}
 		var got []int32
@@ -216,7 +216,7 @@ func TestBatchTxHonoursThePgxTxContract(t *testing.T) {
 		if _, err := tx.Exec(ctx, `SELECT 1/0`); err == nil {
 			t.Fatal("division by zero succeeded")
 		}
-		if err := finish(ctx, tx, nil, nil); !errors.Is(err, pgx.ErrTxCommitRollback) {
+		if err := finish(ctx, tx, nil, nil, nil); !errors.Is(err, pgx.ErrTxCommitRollback) {
 			t.Fatalf("commit: %v, want ErrTxCommitRollback", err)
 		}
 		if st := conn.Conn().PgConn().TxStatus(); st != 'I' {
@@ -378,11 +378,10 @@ func (f *freezer) pipe(dst, src net.Conn) {
 	}
 }
 
-// TestFinishOptionalStatement: a failing optional statement (the last of
-// the batch, under a savepoint) is rolled back alone, reported to its
-// onFail, and the statements before it commit; a failing statement that is
-// not optional fails the whole transaction; an optional statement that is
-// not last is refused before anything is sent.
+// TestFinishOptionalStatement: a failing optional statement (run last,
+// under a savepoint) is rolled back alone, reported to its onFail, and the
+// statements before it commit; a failing statement that is not optional
+// fails the whole transaction.
 func TestFinishOptionalStatement(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
@@ -394,34 +393,30 @@ func TestFinishOptionalStatement(t *testing.T) {
 		return queued{what: "insert " + what, sql: `INSERT INTO finish_probe VALUES ($1)`, args: []any{what}}
 	}
 	failing := queued{what: "fail", sql: `INSERT INTO finish_probe SELECT 'never' WHERE 1/0 = 1`}
-	run := func(stmts ...queued) error {
+	run := func(opt *optional, stmts ...queued) error {
 		tx, err := s.Pool.Begin(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer rollback(ctx, tx)
-		return finish(ctx, tx, stmts, nil)
+		return finish(ctx, tx, stmts, opt, nil)
 	}
 
 	var failed error
-	opt := failing
-	opt.optional, opt.onFail = true, func(err error) { failed = err }
+	opt := &optional{queued: failing, onFail: func(err error) { failed = err }}
 	var n int
-	optRow := queued{what: "count", sql: `SELECT count(*) FROM finish_probe`, row: []any{&n}, optional: true}
-	if err := run(insert("kept"), optRow); err != nil || n != 1 {
+	optRow := &optional{queued: queued{what: "count", sql: `SELECT count(*) FROM finish_probe`, row: []any{&n}}}
+	if err := run(optRow, insert("kept")); err != nil || n != 1 {
 		t.Fatalf("finish with an optional statement that succeeds: %v, count %d, want nil and 1", err, n)
 	}
-	if err := run(insert("kept too"), opt); err != nil {
+	if err := run(opt, insert("kept too")); err != nil {
 		t.Fatalf("finish with a failing optional statement: %v, want nil", err)
 	}
 	if failed == nil || !strings.Contains(failed.Error(), "division by zero") {
 		t.Errorf("onFail got %v, want the division by zero", failed)
 	}
-	if err := run(insert("lost"), failing); err == nil || !strings.Contains(err.Error(), "division by zero") {
+	if err := run(nil, insert("lost"), failing); err == nil || !strings.Contains(err.Error(), "division by zero") {
 		t.Errorf("finish with a failing statement: %v, want the division by zero", err)
-	}
-	if err := run(opt, insert("not sent")); err == nil || !strings.Contains(err.Error(), "only the last statement") {
-		t.Errorf("finish with an optional statement not last: %v, want it refused", err)
 	}
 	var got []string
 	rows, err := s.Pool.Query(ctx, `SELECT what FROM finish_probe ORDER BY what`)

@@ -51,7 +51,8 @@ type Backlog struct {
 // Every count is a range of the claim index (status = 'pending', ordered by
 // scheduled_at): the due part ends at now() and costs what the backlog
 // costs; the scheduled count reads every scheduled entry (about 25 ms per
-// 100,000), so a caller on a hot path should read it less often than the
+// 100,000; the held count, backlogHeldSQL's, reads held_from of those
+// rows too), so a caller on a hot path should read it less often than the
 // due part. Run it in the same snapshot as other figures that must agree
 // with it (outboxctl stats runs one REPEATABLE READ, read-only
 // transaction).
