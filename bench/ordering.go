@@ -176,14 +176,15 @@ func runOrdering(ctx context.Context, e *env, o *Options) (*OrderingResults, err
 		res.Keys, res.Hot = o.OrderingKeys, o.OrderingKeys
 	}
 	n := res.Keys * res.PerKey
-	// The order of orderingModeNames.
-	specs := []struct {
+	type spec struct {
 		name       string // for -ordering-modes
 		mode       string
 		events     int
 		keys       int // 0: no ordering key
 		noTriggers bool
-	}{
+	}
+	// The order of orderingModeNames.
+	specs := []spec{
 		{"notriggers", ordNoTriggers, n, 0, true},
 		{"unordered", ordUnordered, n, 0, false},
 		{"keys", ordKeys, n, res.Keys, false},
@@ -194,8 +195,11 @@ func runOrdering(ctx context.Context, e *env, o *Options) (*OrderingResults, err
 	if selected("unordered") && selected("keys") {
 		// The unordered drain again, right after the many-keys one: the
 		// baseline is the mean of the two (UnorderedBase).
-		specs = slices.Insert(specs, 3, specs[1])
-		specs[3].mode = ordUnorderedAgain
+		u := slices.IndexFunc(specs, func(s spec) bool { return s.name == "unordered" })
+		k := slices.IndexFunc(specs, func(s spec) bool { return s.name == "keys" })
+		again := specs[u]
+		again.mode = ordUnorderedAgain
+		specs = slices.Insert(specs, k+1, again)
 	}
 	var unordered []float64
 	prev := ""
@@ -208,16 +212,17 @@ func runOrdering(ctx context.Context, e *env, o *Options) (*OrderingResults, err
 		if err := settle(ctx, e, prev); err != nil {
 			return nil, err
 		}
-		prev = fmt.Sprintf("ordering_%d", i)
+		schema := fmt.Sprintf("ordering_%d", i)
+		prev = schema
 		var (
 			r    OrderingRun
 			runs map[string][]orderRun
 			err  error
 		)
 		if s.mode == ordChainFloor {
-			r, runs, err = chainFloorRun(ctx, e, fmt.Sprintf("ordering_%d", i), s.events, res.Workers)
+			r, runs, err = chainFloorRun(ctx, e, schema, s.events, res.Workers)
 		} else {
-			r, runs, err = orderingRun(ctx, e, fmt.Sprintf("ordering_%d", i), s.events, s.keys, s.noTriggers, res.Workers)
+			r, runs, err = orderingRun(ctx, e, schema, s.events, s.keys, s.noTriggers, res.Workers)
 		}
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", s.mode, err)
