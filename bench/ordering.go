@@ -228,7 +228,7 @@ func runOrdering(ctx context.Context, e *env, o *Options) (*OrderingResults, err
 			return nil, fmt.Errorf("%s: %w", s.mode, err)
 		}
 		r.Mode = s.mode
-		if s.mode == ordUnordered || s.mode == ordUnorderedAgain {
+		if isUnorderedMode(s.mode) {
 			unordered = append(unordered, r.PerSecond)
 		}
 		if s.keys > 0 {
@@ -258,7 +258,7 @@ func runOrdering(ctx context.Context, e *env, o *Options) (*OrderingResults, err
 		}
 		for _, run := range res.Runs {
 			of := "the unordered drains next to it"
-			if run.Mode == ordUnordered || run.Mode == ordUnorderedAgain {
+			if isUnorderedMode(run.Mode) {
 				of = "the unordered drains' mean"
 			}
 			logf("ordering: %s: %.2f× %s (the mean: %.0f ev/s)", run.Mode, run.Ratio, of, res.UnorderedBase)
@@ -275,6 +275,12 @@ func runOrdering(ctx context.Context, e *env, o *Options) (*OrderingResults, err
 	return res, nil
 }
 
+// isUnorderedMode reports whether mode is one of the unordered drains, the
+// baseline of the ratios.
+func isUnorderedMode(mode string) bool {
+	return mode == ordUnordered || mode == ordUnorderedAgain
+}
+
 // adjacentUnordered is the baseline of runs[i]'s ratio: the mean of the
 // unordered drains run right before and right after it (the many-keys
 // drain has one on each side, the drain without triggers one after it, the
@@ -282,7 +288,7 @@ func runOrdering(ctx context.Context, e *env, o *Options) (*OrderingResults, err
 // unordered drain itself, so that its ratio shows the spread).
 func adjacentUnordered(runs []OrderingRun, i int, base float64) float64 {
 	isUnordered := func(j int) bool {
-		return j >= 0 && j < len(runs) && (runs[j].Mode == ordUnordered || runs[j].Mode == ordUnorderedAgain)
+		return j >= 0 && j < len(runs) && isUnorderedMode(runs[j].Mode)
 	}
 	if isUnordered(i) {
 		return base

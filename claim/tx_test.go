@@ -418,12 +418,11 @@ func TestFinishOptionalStatement(t *testing.T) {
 	if err := run(nil, insert("lost"), failing); err == nil || !strings.Contains(err.Error(), "division by zero") {
 		t.Errorf("finish with a failing statement: %v, want the division by zero", err)
 	}
-	var got []string
 	rows, err := s.Pool.Query(ctx, `SELECT what FROM finish_probe ORDER BY what`)
 	if err != nil {
 		t.Fatal(err)
 	}
-	got, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	got, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if err != nil {
 		t.Fatal(err)
 	}
