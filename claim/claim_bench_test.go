@@ -58,3 +58,24 @@ func BenchmarkBatchOf100(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkKeyedBatchOf100 is BenchmarkBatchOf100 with an ordering key on
+// every event: a new key for each of the first batch's events, and from the
+// second batch on each key's next event, whose job waits behind the key's
+// head (the many-keys drain of the bench's ordering scenario).
+func BenchmarkKeyedBatchOf100(b *testing.B) {
+	s := pgtest.NewSchema(b, nil)
+	h := newHandoff(&testing.T{}, s.Pool, 6, nil)
+	ctx := context.Background()
+	for b.Loop() {
+		b.StopTimer()
+		if _, err := s.Pool.Exec(ctx, `SELECT outbox_publish('mail.a.b', '{}', ordering_key => 'k' || g) FROM generate_series(1, 100) g`); err != nil {
+			b.Fatal(err)
+		}
+		b.StartTimer()
+		res, err := h.Batch(ctx, 100)
+		if err != nil || res.Done != 100 {
+			b.Fatalf("%+v %v", res, err)
+		}
+	}
+}

@@ -17,8 +17,9 @@ import (
 // claim, the handoff statement (handoffSQL) and the COMMIT. The claim's
 // round trip came back to the dispatcher only so that Go could route the
 // events and encode their jobs' args and metadata; for the common event
-// (no ordering key, a payload within the payload rule, a rule whose jobs
-// the handoff can write) that work is plain data, which fastSQL does in
+// (a payload within the payload rule, a rule whose jobs the handoff can
+// write, and, for an event with an ordering key, a rule of one job) that
+// work is plain data, which fastSQL does in
 // the claim's own statement: it claims, routes by the longest matching
 // prefix, builds each job's args and metadata as outboxriver.JobParams
 // does, inserts River's rows, marks the events done and announces the
@@ -26,10 +27,18 @@ import (
 // trips (claim statement, COMMIT); sent without BEGIN (Handoff.batch), one,
 // the shape of the relay floor (docs/benchmarks.md, "The floor").
 //
-// Every other event of the batch (an ordering key, a fault, no rule, a
-// rule the statement cannot write) comes back locked and untouched, and
-// the Go handoff (Handoff.handoff) hands it off in the same transaction as
-// before. The statement's rows are the Go handoff's rows:
+// Every other event of the batch (a fault, no rule, a rule the statement
+// cannot write) comes back locked and untouched, and the Go handoff
+// (Handoff.handoff) hands it off in the same transaction as before. Keyed
+// events go all together or not at all: when one keyed event of the batch
+// must go to the Go handoff (its rule has two jobs or more, a fault, an
+// earlier event of its key holds it back), every keyed event of the batch
+// does. The key rows that the ordering trigger locks as each job is
+// inserted are thus locked by one statement, in insertOrder's order, never
+// some by this statement and more by the Go handoff's after it, which
+// could lock two keys against a completion in the other order; and no
+// event of a key is handed off while an earlier one of the batch waits.
+// The statement's rows are the Go handoff's rows:
 // TestFastHandoffMatchesGoHandoff hands the same events off both ways and
 // compares every column of River's rows and of the events.
 
@@ -115,12 +124,14 @@ func (f *fastRoutes) args() []any { return f.argv }
 // (budgeted, ordered) whose own parameters are $1..$(base-1); the routes
 // are $base..$(base+9) (fastRoutes.args).
 //
-// The CTE fast picks the claimed events the statement hands off: the rule
-// of the longest matching prefix (route.PrefixMatches in SQL: the empty
-// prefix matches every type, a prefix ending in a dot the types that start
-// with it, any other prefix its own type) is fast; the event has no
-// ordering key (the ordering locks and triggers stay with the Go handoff);
-// the payload passes rowFault (sent, so within the byte limit, and nested
+// The CTEs eligible and routed pick the claimed events the statement hands
+// off: the rule of the longest matching prefix (route.PrefixMatches in SQL:
+// the empty prefix matches every type, a prefix ending in a dot the types
+// that start with it, any other prefix its own type) is fast; the event has
+// no ordering key, or else its rule has one job, no earlier event of its
+// key holds it back (blocked), and every other keyed event of the batch is
+// eligible too (see above); the payload passes rowFault (sent, so within
+// the byte limit, and nested
 // at most jsonlimit.MaxDepth levels: the payload rule's own test of
 // migration 005); created_at is within years 1000-9998 and scheduled_at is
 // finite (so the time formats below and the Go handoff's checks agree); the
@@ -137,11 +148,14 @@ func (f *fastRoutes) args() []any { return f.argv }
 // when empty as its omitempty says, the trace context split at its first
 // space as splitTraceContext does.
 //
-// The job ids are recorded in route order by sorting them: the jobs are
-// inserted in ord order, i.e. each event's jobs one after the other in route
-// order, and River's ids come from a sequence drawn as each row is inserted.
-// (handoffSQL joins the jobs back instead, because the ordering locks can
-// change an event's insert order; this statement has no ordered jobs.) Every
+// The jobs are inserted in ord order, insertOrder's: first the jobs without
+// a key, each event's one after the other in route order; then the keyed
+// ones (one job per event), by tenant, key and queue in byte order (COLLATE
+// "C", as lockorder.Compare) and by position within a key. The job ids are
+// recorded in route order by sorting them, since River's ids come from a
+// sequence drawn as each row is inserted. (handoffSQL joins the jobs back
+// instead, because there the ordering locks can change the insert order of
+// an event's several jobs; here a keyed event has one.) Every
 // join here is a lookup per claimed row, never a join of two CTEs, whose
 // sizes the planner cannot know: it planned those as nested loops, and a
 // batch of 1,000 events took 0.4 s.
@@ -167,20 +181,30 @@ tmpl AS (
     SELECT * FROM unnest(` + p(2) + `::int[], ` + p(3) + `::int[], ` + p(4) + `::text[], ` + p(5) + `::text[], ` + p(6) + `::bool[], ` + p(7) + `::smallint[], ` + p(8) + `::smallint[], ` + p(9) + `::text[])
         AS t(rule_idx, route_pos, queue, kind, payload_args, priority, max_attempts, tags)
 ),
-routed AS MATERIALIZED (
-    SELECT c.*,
-           CASE WHEN m.fast AND c.ordering_key IS NULL AND c.payload IS NOT NULL
+eligible AS MATERIALIZED (
+    SELECT c.*, m.idx AS match_idx,
+           coalesce(m.fast, false) AND c.payload IS NOT NULL
                  AND NOT jsonb_path_exists(c.payload, 'strict $.**{` + fmt.Sprint(jsonlimit.MaxDepth) + `} ? (@.type() == "object" || @.type() == "array")')
                  AND c.created_at >= '1000-01-01 00:00:00+00' AND c.created_at < '9999-01-01 00:00:00+00'
                  AND isfinite(c.scheduled_at)
                  AND current_setting('server_encoding') = 'UTF8'
-                THEN m.idx END AS rule_idx
+                 AND (c.ordering_key IS NULL
+                      OR (NOT coalesce(c.blocked, false) AND c.ordering_position IS NOT NULL
+                          AND (SELECT count(*) FROM tmpl t WHERE t.rule_idx = m.idx) = 1)) AS ok
     FROM c LEFT JOIN LATERAL (
         SELECT r.idx, r.fast FROM rule r
         WHERE r.prefix = '' OR r.prefix = c.event_type OR (right(r.prefix, 1) = '.' AND starts_with(c.event_type, r.prefix))
         ORDER BY r.idx
         LIMIT 1
     ) m ON true
+),
+routed AS MATERIALIZED (
+    SELECT f.id, f.event_type, f.tenant_id, f.payload, f.size, f.dispatch_key, f.retries, f.created_at, f.scheduled_at,
+           f.trace_context, f.ordering_key, f.ordering_position, f.has_next, f.blocked, f.soon,
+           CASE WHEN f.ok AND (f.ordering_key IS NULL
+                               OR bool_and(f.ok) FILTER (WHERE f.ordering_key IS NOT NULL) OVER ())
+                THEN f.match_idx END AS rule_idx
+    FROM eligible f
 ),
 ev AS (
     SELECT f.*,
@@ -193,8 +217,12 @@ ev AS (
 job AS (
     SELECT f.id AS event_id, t.route_pos,
            CASE WHEN t.payload_args THEN f.payload
-                ELSE jsonb_build_object('event_id', f.id, 'event_type', f.event_type, 'tenant_id', f.tenant_id,
+                WHEN f.ordering_key IS NULL
+                THEN jsonb_build_object('event_id', f.id, 'event_type', f.event_type, 'tenant_id', f.tenant_id,
                                         'payload', f.payload, 'dispatch_key', f.dispatch_key, 'created_at', f.created)
+                ELSE jsonb_build_object('event_id', f.id, 'event_type', f.event_type, 'tenant_id', f.tenant_id,
+                                        'payload', f.payload, 'dispatch_key', f.dispatch_key, 'created_at', f.created,
+                                        'ordering_key', f.ordering_key)
            END AS args,
            t.kind, t.max_attempts,
            jsonb_strip_nulls(jsonb_build_object(
@@ -202,9 +230,15 @@ job AS (
                'outbox_tenant_id', f.tenant_id, 'outbox_dispatch_key', f.dispatch_key,
                'outbox_created_at', CASE WHEN t.payload_args THEN f.created END,
                'outbox_args', CASE WHEN t.payload_args THEN '` + string(route.ArgsPayload) + `' END,
-               'traceparent', NULLIF(f.traceparent, ''), 'tracestate', NULLIF(f.tracestate, ''))) AS metadata,
+               'traceparent', NULLIF(f.traceparent, ''), 'tracestate', NULLIF(f.tracestate, ''),
+               'outbox_ordering_key', f.ordering_key,
+               'outbox_ordering_position', CASE WHEN f.ordering_key IS NOT NULL THEN f.ordering_position END)) AS metadata,
            t.priority, t.queue, t.tags,
-           row_number() OVER (ORDER BY f.scheduled_at, f.id, t.route_pos) AS ord
+           row_number() OVER (ORDER BY f.ordering_key IS NOT NULL,
+                                       CASE WHEN f.ordering_key IS NOT NULL THEN coalesce(f.tenant_id, '') END COLLATE "C",
+                                       f.ordering_key COLLATE "C",
+                                       CASE WHEN f.ordering_key IS NOT NULL THEN t.queue END COLLATE "C",
+                                       f.ordering_position, f.scheduled_at, f.id, t.route_pos) AS ord
     FROM ev f JOIN tmpl t ON t.rule_idx = f.rule_idx
 ),` + handoffWritesSQL(`
         SELECT event_id, array_agg(id ORDER BY id) AS ids
@@ -275,10 +309,13 @@ func (f *fastRoutes) summarize(events []Event) (Result, []Event, error) {
 	var (
 		res  Result
 		rest = make([]Event, 0, len(events))
+		// keyDone counts the handed-off events per key (Result.TopKey).
+		keyDone map[orderingScope]int
 	)
-	for _, e := range events {
+	for i := range events {
+		e := &events[i]
 		if e.fastRule == 0 {
-			rest = append(rest, e)
+			rest = append(rest, *e)
 			continue
 		}
 		if e.fastRule > len(f.rules) {
@@ -289,6 +326,15 @@ func (f *fastRoutes) summarize(events []Event) (Result, []Event, error) {
 		res.OneStatement++
 		res.Jobs += f.jobs[e.fastRule-1]
 		res.Handed = append(res.Handed, Handed{ID: e.ID, Type: e.Type, Route: rule.Prefix, CreatedAt: e.CreatedAt})
+		if scope, keyed := scopeOf(e); keyed {
+			if keyDone == nil {
+				keyDone = map[orderingScope]int{}
+			}
+			keyDone[scope]++
+			if n := keyDone[scope]; n > res.TopKeyDone {
+				res.TopKey, res.TopKeyDone = Key{TenantID: scope.tenant, OrderingKey: scope.key}, n
+			}
+		}
 	}
 	return res, rest, nil
 }

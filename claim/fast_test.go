@@ -30,6 +30,9 @@ func fastTestRoutes(t *testing.T) *route.Table {
 		{Prefix: "shop.order.refunded", Queues: []string{"outbox_refunds"}},
 		{Prefix: "shop.order.", Jobs: []route.Job{{Queue: "outbox_orders", Kind: "order_payload", Args: route.ArgsPayload, Priority: 4}}},
 		{Prefix: "audit.", Queues: []string{"outbox_audit"}},
+		// Two jobs: a keyed event of this rule is left to the Go handoff,
+		// with every keyed event of its batch.
+		{Prefix: "ledger.", Queues: []string{"outbox_ledger_a", "outbox_ledger_b"}},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -45,9 +48,10 @@ func nestedArray(depth int) string {
 // fastTestEvents inserts the same events into a schema: every field the
 // jobs carry in each of its forms (absent, present, with the characters
 // encoding/json escapes), creation times whose fraction has trailing zeros
-// or none, trace contexts with and without a tracestate, and events the
-// statement must leave to the Go handoff (an ordering key, no route, a
-// payload nested deeper than the payload rule allows). It returns how many
+// or none, trace contexts with and without a tracestate, keyed events of
+// several keys and tenants, and events the statement must leave to the Go
+// handoff (no route, a payload nested deeper than the payload rule
+// allows). It returns how many
 // of them the one-statement claim should hand off.
 func fastTestEvents(t *testing.T, ctx context.Context, pool *pgxpool.Pool) int {
 	t.Helper()
@@ -70,10 +74,17 @@ func fastTestEvents(t *testing.T, ctx context.Context, pool *pgxpool.Pool) int {
 		{typ: "shop.order.refunded", payload: `{"refund": true}`, created: "1999-01-01 00:00:00.12+00", tenant: "t2", fast: true},
 		{typ: "audit.user.login", payload: `null`, created: "2026-12-02 10:00:00.100100+00", dk: "dk-2", trace: "", fast: true},
 		{typ: "audit.user.logout", payload: `{"deep": ` + nestedArray(jsonlimit.MaxDepth-1) + `}`, created: "2026-12-02 10:00:01+00", fast: true},
+		// Keyed events of one-job rules: inserted after the others, key by
+		// key in byte order of (tenant, key, queue), each key's in
+		// position order, as the Go handoff does ("Z" sorts before "a").
+		{typ: "shop.order.paid", payload: `{"keyed": 1}`, created: "2026-12-02 10:00:03+00", okey: "order-1", fast: true},
+		{typ: "audit.user.login", payload: `{"keyed": 3}`, created: "2026-12-02 10:00:03.5+00", okey: "a-key", tenant: "t2", fast: true},
+		{typ: "shop.order.shipped", payload: `{"keyed": 2}`, created: "2026-12-02 10:00:04+00", okey: "order-1", fast: true},
+		{typ: "audit.user.login", payload: `{"keyed": 4}`, created: "2026-12-02 10:00:04.5+00", okey: "Z-key", tenant: "t2", dk: "dk-3", fast: true},
+		{typ: "audit.user.logout", payload: `{"keyed": 5}`, created: "2026-12-02 10:00:04.6+00", okey: "a-key", fast: true},
+		{typ: "shop.order.paid", payload: `{"keyed": 6}`, created: "2026-12-02 10:00:04.7+00", okey: "a-key", tenant: "t2", fast: true},
 		// Left to the Go handoff.
 		{typ: "audit.user.deep", payload: nestedArray(jsonlimit.MaxDepth + 1), created: "2026-12-02 10:00:02+00"},
-		{typ: "shop.order.paid", payload: `{"keyed": 1}`, created: "2026-12-02 10:00:03+00", okey: "order-1"},
-		{typ: "shop.order.shipped", payload: `{"keyed": 2}`, created: "2026-12-02 10:00:04+00", okey: "order-1"},
 		{typ: "billing.invoice.paid", payload: `{}`, created: "2026-12-02 10:00:05+00"},
 	}
 	fast := 0
@@ -91,12 +102,16 @@ VALUES ($1, $2::jsonb, $3::timestamptz, $4, $5, $6, $7)`, e.typ, e.payload, e.cr
 
 // handedOff reads what a handoff wrote: each event (every column but the
 // times it was handed off at and the job ids) with its River jobs in
-// route order (every column but the ids and the insert times).
+// route order (every column but the ids and the insert times, and each
+// keyed job's place in the insert order of the keyed jobs, which is the
+// order in which their key rows are locked and decides each key's head).
 func handedOff(t *testing.T, ctx context.Context, pool *pgxpool.Pool) []string {
 	t.Helper()
 	return queryStrings(t, ctx, pool, `
 SELECT (to_jsonb(e) - 'processed_at' - 'river_job_ids' - 'scheduled_at')::text || ' jobs ' || coalesce((
-    SELECT jsonb_agg(to_jsonb(j) - 'id' - 'created_at' - 'scheduled_at' ORDER BY u.ord)
+    SELECT jsonb_agg(to_jsonb(j) - 'id' - 'created_at' - 'scheduled_at'
+                     || jsonb_build_object('keyed_insert_rank', CASE WHEN j.metadata ? 'outbox_ordering_key' THEN
+                            (SELECT count(*) FROM river_job p WHERE p.id < j.id AND p.metadata ? 'outbox_ordering_key') END) ORDER BY u.ord)
     FROM unnest(e.river_job_ids) WITH ORDINALITY u(job_id, ord) JOIN river_job j ON j.id = u.job_id), '[]')::text
 FROM outbox_event e ORDER BY e.id`)
 }
@@ -135,7 +150,14 @@ func newFastFixture(t *testing.T) *fastFixture {
 // publish inserts an audit event, with ordering key okey (nil for none).
 func (f *fastFixture) publish(okey any) {
 	f.t.Helper()
-	if _, err := f.s.Pool.Exec(f.ctx, `INSERT INTO outbox_event (event_type, payload, ordering_key) VALUES ('audit.user.login', '{}', $1)`, okey); err != nil {
+	f.publishType("audit.user.login", okey)
+}
+
+// publishType inserts an event of type typ, with ordering key okey (nil
+// for none).
+func (f *fastFixture) publishType(typ string, okey any) {
+	f.t.Helper()
+	if _, err := f.s.Pool.Exec(f.ctx, `INSERT INTO outbox_event (event_type, payload, ordering_key) VALUES ($1, '{}', $2)`, typ, okey); err != nil {
 		f.t.Fatal(err)
 	}
 }
@@ -199,8 +221,11 @@ func testFastHandoffMatchesGoHandoff(t *testing.T, oneTrip bool) {
 		goRes.Broken != fastRes.Broken || goRes.Blocked != fastRes.Blocked || goRes.Claimed != fastRes.Claimed || goRes.Last.ID != fastRes.Last.ID {
 		t.Fatalf("results differ:\n go   %+v\n fast %+v", goRes, fastRes)
 	}
-	if goRes.Done != wantFast+2 || goRes.Unroutable != 1 || goRes.Broken != 1 {
-		t.Fatalf("Go handoff: %+v; want %d done, 1 unroutable, 1 broken", goRes, wantFast+2)
+	if goRes.Done != wantFast || goRes.Unroutable != 1 || goRes.Broken != 1 {
+		t.Fatalf("Go handoff: %+v; want %d done, 1 unroutable, 1 broken", goRes, wantFast)
+	}
+	if goRes.TopKeyDone != 2 || fastRes.TopKey != goRes.TopKey || fastRes.TopKeyDone != goRes.TopKeyDone {
+		t.Errorf("top key: Go handoff %+v × %d, statement %+v × %d; want two events of one key", goRes.TopKey, goRes.TopKeyDone, fastRes.TopKey, fastRes.TopKeyDone)
 	}
 	// The events the statement left turn the next batch back to the
 	// batch transaction.
@@ -228,7 +253,8 @@ func testFastHandoffMatchesGoHandoff(t *testing.T, oneTrip bool) {
 	}
 	// Sanity: the comparison covered jobs of every shape.
 	all := strings.Join(got, "\n")
-	for _, s := range []string{`"kind": "shop_payload"`, `"kind": "shop_kinded"`, `"kind": "order_payload"`, `"tracestate": "vendor=a,other=b c"`, `"outbox_args": "payload"`, `"state": "pending"`} {
+	for _, s := range []string{`"kind": "shop_payload"`, `"kind": "shop_kinded"`, `"kind": "order_payload"`, `"tracestate": "vendor=a,other=b c"`, `"outbox_args": "payload"`,
+		`"state": "pending"`, `"ordering_key": "Z-key"`, `"outbox_ordering_position"`} {
 		if !strings.Contains(all, s) {
 			t.Errorf("no job with %s among:\n%s", s, all)
 		}
@@ -268,8 +294,9 @@ func TestFastHandoffChecksItsCounts(t *testing.T) {
 // TestOneRoundTripAfterWholeBatches follows the handoff's choice of round
 // trips: a batch of common events in the batch transaction, then the next
 // in one round trip, which the statement commits on its own; a batch with
-// an event the statement leaves (an ordering key) hands that one off in a
-// batch transaction in the same call and sends the next batch there too.
+// an event the statement leaves (an ordering key whose rule has two jobs)
+// hands that one off in a batch transaction in the same call and sends the
+// next batch there too. Keyed events of a one-job rule go either way.
 func TestOneRoundTripAfterWholeBatches(t *testing.T) {
 	t.Parallel()
 	f := newFastFixture(t)
@@ -288,15 +315,23 @@ func TestOneRoundTripAfterWholeBatches(t *testing.T) {
 	publish(nil)
 	step("a whole batch in one round trip", 1, 1, true)
 	publish(nil)
-	publish("k1")
-	step("a keyed event left by the round trip", 2, 1, false)
+	f.publishType("ledger.entry.made", "k1")
+	step("a keyed event of two jobs left by the round trip", 2, 1, false)
 	publish(nil)
 	step("back in the batch transaction", 1, 1, true)
-	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done' AND cardinality(river_job_ids) = 1`); n != 6 {
-		t.Fatalf("%d events done with their job, want 6", n)
+	publish("k2")
+	step("a keyed event of one job in one round trip", 1, 1, true)
+	publish("k2")
+	step("the next event of its key, queued behind the first", 1, 1, true)
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done' AND cardinality(river_job_ids) >= 1`); n != 8 {
+		t.Fatalf("%d events done with their jobs, want 8", n)
 	}
-	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job`); n != 6 {
-		t.Fatalf("%d River jobs, want 6", n)
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job`); n != 9 {
+		t.Fatalf("%d River jobs, want 9 (one of the events has two)", n)
+	}
+	// The second k2 job waits behind the first, as the Go handoff's would.
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state = 'pending' AND metadata->>'outbox_ordering_key' = 'k2'`); n != 1 {
+		t.Fatalf("%d k2 jobs pending, want 1", n)
 	}
 
 	// Without migration 016's check function the round trip is turned
@@ -421,7 +456,7 @@ func TestPlainClaimAfterBatchesOfKeyedEvents(t *testing.T) {
 	f := newFastFixture(t)
 	h, publish := f.h, f.publish
 	batch := func() Result { t.Helper(); return f.batch("batch") }
-	publish("k1")
+	f.publishType("ledger.entry.made", "k1")
 	if res := batch(); res.Done != 1 || res.OneStatement != 0 || h.plainLeft.Load() != plainBatches {
 		t.Fatalf("keyed batch: %+v, plain batches left %d; want 1 done by the Go handoff, %d left", res, h.plainLeft.Load(), plainBatches)
 	}
@@ -436,4 +471,57 @@ func TestPlainClaimAfterBatchesOfKeyedEvents(t *testing.T) {
 	if res := batch(); res.Done != 1 || res.OneStatement != 1 {
 		t.Fatalf("after the plain batches: %+v; want 1 done by the statement", res)
 	}
+}
+
+// TestFastHandoffLeavesKeyedEventsTogether checks that the one-statement
+// claim hands off the keyed events of a batch only all together: when one
+// of them must go to the Go handoff (its rule has two jobs, or an earlier
+// event of its key holds it back), every keyed event of the batch does, so
+// that the batch's key rows are still locked in one order (insertOrder)
+// and no event overtakes an earlier one of its key.
+func TestFastHandoffLeavesKeyedEventsTogether(t *testing.T) {
+	t.Parallel()
+	t.Run("a rule of two jobs", func(t *testing.T) {
+		t.Parallel()
+		f := newFastFixture(t)
+		f.publish(nil)
+		f.publish("k1")
+		f.publishType("ledger.entry.made", "k2")
+		res := f.batch("batch")
+		if res.Done != 3 || res.OneStatement != 1 || res.Jobs != 4 {
+			t.Fatalf("batch: %+v; want 3 done, the unkeyed one by the statement, 4 jobs", res)
+		}
+	})
+	t.Run("an event held back by its key", func(t *testing.T) {
+		t.Parallel()
+		f := newFastFixture(t)
+		// k3's first event is due in an hour: its second waits for it.
+		if _, err := f.s.Pool.Exec(f.ctx, `INSERT INTO outbox_event (event_type, payload, ordering_key, scheduled_at)
+VALUES ('audit.user.login', '{}', 'k3', now() + interval '1 hour')`); err != nil {
+			t.Fatal(err)
+		}
+		f.publish(nil)
+		f.publish("k3")
+		f.publish("k4")
+		res := f.batch("batch")
+		if res.Done != 2 || res.OneStatement != 1 || res.Blocked != 1 {
+			t.Fatalf("batch: %+v; want 2 done (the unkeyed one by the statement, k4 by the Go handoff), 1 blocked", res)
+		}
+		if n := pgtest.Count(t, f.s.Pool, `SELECT count(*) FROM outbox_event WHERE ordering_key = 'k3' AND status = 'pending'`); n != 2 {
+			t.Fatalf("%d k3 events pending, want 2", n)
+		}
+		// Once the first is due, both go, in order, by the statement.
+		if _, err := f.s.Pool.Exec(f.ctx, `UPDATE outbox_event SET scheduled_at = now() - interval '1 second' WHERE ordering_key = 'k3' AND status = 'pending'`); err != nil {
+			t.Fatal(err)
+		}
+		res = f.batch("batch after")
+		if res.Done != 2 || res.OneStatement != 2 {
+			t.Fatalf("batch after: %+v; want both k3 events done by the statement", res)
+		}
+		got := queryStrings(t, f.ctx, f.s.Pool, `SELECT state::text FROM river_job WHERE metadata->>'outbox_ordering_key' = 'k3'
+ORDER BY (metadata->>'outbox_ordering_position')::bigint`)
+		if len(got) != 2 || got[0] != "available" || got[1] != "pending" {
+			t.Fatalf("k3 jobs in position order: %v; want the first available, the second pending behind it", got)
+		}
+	})
 }
