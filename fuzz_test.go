@@ -130,7 +130,10 @@ func FuzzValidatePayload(f *testing.F) {
 		// The size limit at and past the boundary: a string prints as given,
 		// a separator gains a space in Postgres' text form.
 		`"` + strings.Repeat("a", outbox.MaxPayloadBytes-2) + `"`, `"` + strings.Repeat("a", outbox.MaxPayloadBytes-1) + `"`,
-		`["` + strings.Repeat("a", outbox.MaxPayloadBytes/2-4) + `","` + strings.Repeat("a", outbox.MaxPayloadBytes/2-4) + `"]`} {
+		`["` + strings.Repeat("a", outbox.MaxPayloadBytes/2-4) + `","` + strings.Repeat("a", outbox.MaxPayloadBytes/2-4) + `"]`,
+		// Exactly the limit as sent, one byte over it as Postgres prints it
+		// (found by the fuzzer on 2026-12-03).
+		`["` + strings.Repeat("a", outbox.MaxPayloadBytes/2-4) + `","` + strings.Repeat("a", outbox.MaxPayloadBytes/2-3) + `"]`} {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, p []byte) {
@@ -140,7 +143,11 @@ func FuzzValidatePayload(f *testing.F) {
 		if err == nil && !valid {
 			t.Fatalf("ValidatePayload accepted %q", p)
 		}
-		if err != nil && valid && utf8.Valid(p) && !surrogateEscape.Match(p) && plainNumbers(v) {
+		// Postgres prints a space after every ',' and ':' (and never prints
+		// a string or number longer than it was sent), so JSON that must
+		// be accepted is within the limit with a byte more for each.
+		printsWithin := len(p)+bytes.Count(p, []byte(","))+bytes.Count(p, []byte(":")) <= outbox.MaxPayloadBytes
+		if err != nil && valid && printsWithin && utf8.Valid(p) && !surrogateEscape.Match(p) && plainNumbers(v) {
 			t.Fatalf("ValidatePayload refused plain JSON %q: %v", p, err)
 		}
 		if err == nil {
