@@ -1105,8 +1105,7 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		// insertOrder); anyKeyed is set when any does.
 		locks    = make([]jobLock, 0, len(events))
 		anyKeyed bool
-		// keyDone counts the handed-off events per key (Result.TopKey).
-		keyDone map[orderingScope]int
+		keyDone  keyTally
 		// hold lists the blocked events that wait for an event that is
 		// not about to move (holdSQL).
 		hold []int64
@@ -1164,13 +1163,7 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		res.Done++
 		res.Handed = append(res.Handed, Handed{ID: e.ID, Type: e.Type, Route: rule.Prefix, CreatedAt: e.CreatedAt})
 		if keyed {
-			if keyDone == nil {
-				keyDone = map[orderingScope]int{}
-			}
-			keyDone[scope]++
-			if n := keyDone[scope]; n > res.TopKeyDone {
-				res.TopKey, res.TopKeyDone = Key{TenantID: scope.tenant, OrderingKey: scope.key}, n
-			}
+			keyDone.add(&res, scope)
 		}
 	}
 	var counts [4]int64 // jobs inserted, events marked done, job ids recorded, queues announced
@@ -1331,6 +1324,22 @@ func insertOrder(locks []jobLock) []int {
 
 // orderingScope is an ordering key with its tenant ("" for none).
 type orderingScope struct{ tenant, key string }
+
+// keyTally counts a batch's handed-off events per ordering key and keeps
+// Result.TopKey and TopKeyDone on the key with the most. The zero value is
+// ready to use.
+type keyTally struct{ done map[orderingScope]int }
+
+// add counts one handed-off event of scope in res.
+func (t *keyTally) add(res *Result, scope orderingScope) {
+	if t.done == nil {
+		t.done = map[orderingScope]int{}
+	}
+	t.done[scope]++
+	if n := t.done[scope]; n > res.TopKeyDone {
+		res.TopKey, res.TopKeyDone = Key{TenantID: scope.tenant, OrderingKey: scope.key}, n
+	}
+}
 
 func scopeOf(e *Event) (orderingScope, bool) {
 	if e.OrderingKey == nil {

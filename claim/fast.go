@@ -307,10 +307,9 @@ func (f *fastRoutes) takeFast(events []Event, n fastCounts) (Result, []Event, er
 // An event handed off by a rule f does not have is an error.
 func (f *fastRoutes) summarize(events []Event) (Result, []Event, error) {
 	var (
-		res  Result
-		rest = make([]Event, 0, len(events))
-		// keyDone counts the handed-off events per key (Result.TopKey).
-		keyDone map[orderingScope]int
+		res     Result
+		rest    = make([]Event, 0, len(events))
+		keyDone keyTally
 	)
 	for i := range events {
 		e := &events[i]
@@ -327,13 +326,7 @@ func (f *fastRoutes) summarize(events []Event) (Result, []Event, error) {
 		res.Jobs += f.jobs[e.fastRule-1]
 		res.Handed = append(res.Handed, Handed{ID: e.ID, Type: e.Type, Route: rule.Prefix, CreatedAt: e.CreatedAt})
 		if scope, keyed := scopeOf(e); keyed {
-			if keyDone == nil {
-				keyDone = map[orderingScope]int{}
-			}
-			keyDone[scope]++
-			if n := keyDone[scope]; n > res.TopKeyDone {
-				res.TopKey, res.TopKeyDone = Key{TenantID: scope.tenant, OrderingKey: scope.key}, n
-			}
+			keyDone.add(&res, scope)
 		}
 	}
 	return res, rest, nil
