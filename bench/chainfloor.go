@@ -22,7 +22,7 @@ import (
 // is written once, when it may run. So its time per job, and its next
 // job's start after the previous job's end, are lower bounds for the hot
 // key's, measured in the same run on the same River workers
-// (docs/ordering.md, "The floor of one key").
+// (docs/ordering-measurements.md, "The floor of one key").
 const ordChainFloor = "floor: River chain, one key"
 
 // chainFloorArgs is a job of the floor's chain: its position and the

@@ -22,6 +22,7 @@ import (
 	"gonum.org/v1/plot/vg/draw"
 	"gonum.org/v1/plot/vg/vgimg"
 
+	"github.com/outboxhq/outbox/claim"
 	"github.com/outboxhq/outbox/dispatcher"
 	outboxriver "github.com/outboxhq/outbox/river"
 )
@@ -81,7 +82,8 @@ type OrderingRun struct {
 	// the seconds. The process's idle cost grows with the seconds.
 	ServerCPUms float64 `json:"server_cpu_ms_per_1k"`
 	BenchCPUms  float64 `json:"bench_cpu_ms_per_1k"`
-	// HandoffSeconds is the time to the last event's handoff (sampled).
+	// HandoffSeconds is the time to the commit of the batch that handed off
+	// the last event (the dispatcher's OnBatch).
 	HandoffSeconds float64 `json:"handoff_seconds"`
 	// Violations counts jobs of one key that started out of order or
 	// before the previous one ended (must be 0 for ordered modes).
@@ -391,7 +393,19 @@ func orderingRun(ctx context.Context, e *env, schema string, n, keys int, noTrig
 		return r, nil, err
 	}
 	defer ow.stop(ctx)
-	d, err := dispatcher.New(p, dispatcher.Config{Routes: e.routes, PollInterval: time.Second, Logger: e.quiet})
+	// The handoff's end is when the dispatcher has handed off the n-th
+	// event (OnBatch after each batch's commit): counted in this process,
+	// not probed from the database beside the drain it measures.
+	var handed atomic.Int64
+	var handedAt atomic.Int64 // nanoseconds since start; 0 until all are handed off
+	d, err := dispatcher.New(p, dispatcher.Config{
+		Routes: e.routes, PollInterval: time.Second, Logger: e.quiet,
+		OnBatch: func(res claim.Result) {
+			if handed.Add(int64(res.Done)) >= int64(n) {
+				handedAt.CompareAndSwap(0, int64(time.Since(start)))
+			}
+		},
+	})
 	if err != nil {
 		return r, nil, err
 	}
@@ -403,19 +417,8 @@ func orderingRun(ctx context.Context, e *env, schema string, n, keys int, noTrig
 		defer cancel()
 		_ = d.Stop(sctx)
 	}()
-	handedOff := false
-	err = waitWorked(ctx, &w.worked, n, func() error {
-		if !handedOff {
-			// One probe of the claim index, not a count: this runs every
-			// 5 ms beside the drain it measures.
-			var pending bool
-			if err := p.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM outbox_event WHERE status = 'pending')`).Scan(&pending); err == nil && !pending {
-				handedOff = true
-				r.HandoffSeconds = time.Since(start).Seconds()
-			}
-		}
-		return nil
-	})
+	err = waitWorked(ctx, &w.worked, n, nil)
+	r.HandoffSeconds = time.Duration(handedAt.Load()).Seconds()
 	if err != nil {
 		return r, nil, err
 	}
@@ -477,13 +480,15 @@ func (o *orderingWorkers) stopClient(ctx context.Context) {
 }
 
 // waitWorked waits, checking every 5 ms, until worked reaches n; each
-// check calls tick first, whose error ends the wait. It gives up after 10
-// minutes.
+// check calls tick first (when not nil), whose error ends the wait. It
+// gives up after 10 minutes.
 func waitWorked(ctx context.Context, worked *atomic.Int64, n int, tick func() error) error {
 	limit := time.Now().Add(10 * time.Minute)
 	for worked.Load() < int64(n) {
-		if err := tick(); err != nil {
-			return err
+		if tick != nil {
+			if err := tick(); err != nil {
+				return err
+			}
 		}
 		if time.Now().After(limit) {
 			return fmt.Errorf("only %d of %d jobs worked in 10 minutes", worked.Load(), n)

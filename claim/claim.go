@@ -194,7 +194,7 @@ WHERE f.n2 = 1 OR f.size_upto <= $2`)
 // nested loop, once per claimed row: 10,000 index lookups for a batch of
 // 100 events of 100 keys. Where each key had 40 finished events, the claim
 // took 21.4 ms that way and 1.7 ms with firsts materialized
-// (docs/ordering.md, "Open").
+// (docs/ordering-measurements.md, "Open").
 // soon says that event is pending and due: another batch holds it (or the
 // byte budget cut it from this one), and the drain claims again shortly
 // instead of waiting for the next wake. Events without a key skip

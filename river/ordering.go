@@ -115,7 +115,7 @@ const (
 	// (since migration 013 only a release that empties its key's line
 	// waits so). Measured with migration 014 (10,000 keys × 10, 50
 	// workers, interleaved full-size drains on fresh production-like
-	// clusters, docs/ordering.md): one writer 0.37-0.42 of the unordered
+	// clusters, docs/ordering-measurements.md): one writer 0.37-0.42 of the unordered
 	// rate and 755-940 ms of Postgres CPU per 1,000 events in four runs,
 	// two writers 0.33-0.34 (927-1,007 ms), four 0.30-0.37 (1,038-1,317
 	// ms); a hot key, one job at a time, is the same with any number.
