@@ -569,9 +569,9 @@ var (
 func (h *Handoff) batch(ctx context.Context, q claimQuery, args ...any) (Result, error) {
 	fast := h.fastRoutesOf(q)
 	if fast != nil && h.plainLeft.Load() > 0 {
-		// The statement handed nothing off lately (every event keyed
-		// and routed to two queues, say): the plain claim, without the routing it would do for
-		// nothing, until plainLeft runs out.
+		// The statement handed nothing off lately (every event keyed and
+		// routed to two queues, say): the plain claim, without the routing
+		// it would do for nothing, until plainLeft runs out.
 		h.plainLeft.Add(-1)
 		fast = nil
 	}
