@@ -20,7 +20,8 @@ import (
 // ordering, payload checks, River's insert API, retries, batch budgets,
 // the loop's linger and fairness), so its end-to-end time minus
 // River-direct's is a lower bound on what any outbox relay adds on this
-// machine, measured in the same run (docs/benchmarks.md, "The floor").
+// machine, measured in the same run (docs/benchmarks-record.md, "The
+// floor").
 const modeFloor = "relay-floor"
 
 // floorBatch is how many events one statement of the floor relay hands

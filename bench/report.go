@@ -391,6 +391,6 @@ func floorLine(r *Results) string {
 	}
 	d := direct.EndToEnd
 	return fmt.Sprintf("Over River-direct's end to end (p50 %.2f ms, p99 %.2f ms), the outbox adds %+.2f ms at p50 (p99 %.1f×) and %s, "+
-		"the least any relay adds (one statement, one round trip per wake; docs/benchmarks.md, \"The floor\"), %+.2f ms at p50 (p99 %.1f×).",
+		"the least any relay adds (one statement, one round trip per wake; docs/benchmarks-record.md, \"The floor\"), %+.2f ms at p50 (p99 %.1f×).",
 		d.P50, d.P99, notify.EndToEnd.P50-d.P50, notify.EndToEnd.P99/d.P99, modeFloor, floor.EndToEnd.P50-d.P50, floor.EndToEnd.P99/d.P99)
 }

@@ -242,8 +242,8 @@ const DefaultBatchBytes = 4 << 20
 // with the backlog until autovacuum; the ordered scan marks them dead once
 // and then costs 0.1-0.2 ms). Local to the batch transaction. (Generic
 // plans for the batch, plan_cache_mode = force_generic_plan, were tried
-// and reverted on 2026-12-02: docs/benchmarks.md, "Generic plans for the
-// batch transaction".)
+// and reverted on 2026-12-02: docs/benchmarks-record.md, "Generic plans
+// for the batch transaction".)
 const planSettingsSQL = `SELECT set_config('enable_bitmapscan', 'off', true), set_config('enable_seqscan', 'off', true)`
 
 // asyncPlanSettingsSQL is planSettingsSQL plus synchronous_commit = off

@@ -25,7 +25,7 @@ import (
 // does, inserts River's rows, marks the events done and announces the
 // queues. In the batch transaction a batch of such events takes two round
 // trips (claim statement, COMMIT); sent without BEGIN (Handoff.batch), one,
-// the shape of the relay floor (docs/benchmarks.md, "The floor").
+// the shape of the relay floor (docs/benchmarks-record.md, "The floor").
 //
 // Every other event of the batch (a fault, no rule, a rule the statement
 // cannot write) comes back locked and untouched, and the Go handoff

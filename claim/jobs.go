@@ -18,8 +18,8 @@ import (
 // River's InsertManyTx returns the new jobs' ids to the client, which then
 // needed a round trip of its own to record them in the events
 // (river_job_ids), and a third for River's notification; on two shared
-// cores each round trip is a wait for a core on both sides (docs/benchmarks.md,
-// "The floor"). Here the insert's RETURNING feeds the update directly. The
+// cores each round trip is a wait for a core on both sides
+// (docs/benchmarks-record.md, "The floor"). Here the insert's RETURNING feeds the update directly. The
 // rows are River's own: the columns River's JobInsertFastMany writes, with
 // the values River's insertParamsFromConfigArgsAndOptions computes for the
 // handoff's jobs (jobColumns; TestDirectInsertMatchesRiver compares every

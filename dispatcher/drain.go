@@ -348,7 +348,7 @@ func (x decision) String() string { return [...]string{"hold", "add", "retire"}[
 // drain rate samples in, a decision out; no clock, no goroutine, no
 // database. Concurrency is a ceiling, not a target: what limits a drain is
 // the database, and past its knee (about its core count) more batches in
-// flight only add lock and buffer contention (docs/benchmarks.md). So a
+// flight only add lock and buffer contention (docs/benchmarks-record.md). So a
 // drain starts with two workers (one when the ceiling is 1) and, one
 // sample per DrainWindow, adds a worker while the rate still rises by at
 // least 5 % over the window before the last addition; when an added worker
