@@ -98,7 +98,8 @@ func runDrain(ctx context.Context, e *env, o *Options) (*DrainResults, error) {
 	// Scaling: with one batch in flight per dispatcher the dispatcher, not
 	// the database, is the bottleneck, which shows what more dispatchers
 	// add; at the default concurrency one dispatcher already saturates a
-	// small server (docs/benchmarks.md).
+	// small server (docs/benchmarks-record.md, "Drain: the database's two
+	// cores are the limit").
 	if c := o.ScalingConcurrency; c > 0 && c != o.Concurrency && len(o.Batches) > 0 {
 		b := o.Batches[0]
 		for _, k := range o.Dispatchers {

@@ -294,7 +294,9 @@ func (e *env) meta(ctx context.Context, o *Options, start time.Time) Meta {
 	}
 	_ = e.admin.QueryRow(ctx, `SELECT version()`).Scan(&m.Postgres)
 	m.PGSettings = map[string]string{}
-	rows, err := e.admin.Query(ctx, `SELECT name, setting || coalesce(unit, '') FROM pg_settings
+	// current_setting prints a value with its unit as postgresql.conf would
+	// ("2GB"); setting || unit printed 262144 pages of 8kB as "2621448kB".
+	rows, err := e.admin.Query(ctx, `SELECT name, current_setting(name) FROM pg_settings
 		WHERE name IN ('fsync','synchronous_commit','shared_buffers','max_connections','wal_level','full_page_writes',
 		               'autovacuum','max_wal_size','checkpoint_completion_target','effective_cache_size','work_mem')`)
 	if err == nil {
