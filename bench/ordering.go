@@ -396,13 +396,17 @@ func orderingRun(ctx context.Context, e *env, schema string, n, keys int, noTrig
 	// The handoff's end is when the dispatcher has handed off the n-th
 	// event (OnBatch after each batch's commit): counted in this process,
 	// not probed from the database beside the drain it measures.
-	var handed atomic.Int64
-	var handedAt atomic.Int64 // nanoseconds since start; 0 until all are handed off
+	var (
+		handed   atomic.Int64
+		handedAt atomic.Int64 // nanoseconds since start; 0 until all are handed off
+		allIn    = make(chan struct{})
+	)
 	d, err := dispatcher.New(p, dispatcher.Config{
 		Routes: e.routes, PollInterval: time.Second, Logger: e.quiet,
 		OnBatch: func(res claim.Result) {
-			if handed.Add(int64(res.Done)) >= int64(n) {
-				handedAt.CompareAndSwap(0, int64(time.Since(start)))
+			// The swap succeeds once: the batch that reaches n closes allIn.
+			if handed.Add(int64(res.Done)) >= int64(n) && handedAt.CompareAndSwap(0, int64(time.Since(start))) {
+				close(allIn)
 			}
 		},
 	})
@@ -424,11 +428,12 @@ func orderingRun(ctx context.Context, e *env, schema string, n, keys int, noTrig
 	// the last batch's OnBatch runs just after its commit, which a worker
 	// may beat: wait for it a little. A count still short of n is a fault
 	// of the count, not a handoff time of 0.
-	for limit := time.Now().Add(10 * time.Second); handedAt.Load() == 0; {
-		if time.Now().After(limit) {
-			return r, nil, fmt.Errorf("all %d jobs worked, but the dispatcher reported %d events handed off", n, handed.Load())
-		}
-		time.Sleep(time.Millisecond)
+	select {
+	case <-allIn:
+	case <-time.After(10 * time.Second):
+		return r, nil, fmt.Errorf("all %d jobs worked, but the dispatcher reported %d events handed off", n, handed.Load())
+	case <-ctx.Done():
+		return r, nil, ctx.Err()
 	}
 	r.HandoffSeconds = time.Duration(handedAt.Load()).Seconds()
 	return r, w.finish(ctx, p, &r, srv0, self0, start), nil
