@@ -6,13 +6,17 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/outboxhq/outbox"
+	"github.com/outboxhq/outbox/claim"
 	"github.com/outboxhq/outbox/internal/pgtest"
 )
 
 // testEnv makes an env on the test server, closed when the test ends, and
 // a context that ends within two minutes.
-func testEnv(t *testing.T) (context.Context, *env) {
+func testEnv(t testing.TB) (context.Context, *env) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	t.Cleanup(cancel)
@@ -114,5 +118,82 @@ FROM outbox_event e LEFT JOIN river_job j ON j.id = e.river_job_ids[1]`, benchQu
 	}
 	if total != len(ids) {
 		t.Errorf("%d River jobs for %d events", total, len(ids))
+	}
+}
+
+// BenchmarkOneEventHandoff times the handoff of one event, the whole of a
+// light stream's batch, with nothing else running: the floor relay's
+// statement (floorHandoffSQL, on its own session) against the dispatcher's
+// (claim.Handoff.Batch, whose batches after the first are the one-statement
+// claim sent in one round trip), in one schema each on the same server.
+// Publishing the event is left out of the timing. The two run three times each,
+// interleaved; on the bench's production-like cluster:
+//
+//	OUTBOX_PG_THROWAWAY=1 OUTBOX_PG_PROFILE=production bash ../scripts/with-postgres.sh \
+//	    go test -run '^$' -bench OneEventHandoff -benchtime 3000x
+//
+// The difference between the two is what the dispatcher's statement adds
+// to the floor's at 200 events/s: docs/benchmarks-record.md, "The
+// dispatcher's statement against the floor's".
+func BenchmarkOneEventHandoff(b *testing.B) {
+	ctx, e := testEnv(b)
+	fp, err := e.migrated(ctx, "floor_bench", 4)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer fp.Close()
+	conn, err := pgx.ConnectConfig(ctx, fp.Config().ConnConfig.Copy())
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer func() { _ = conn.Close(context.WithoutCancel(ctx)) }()
+	if _, err := conn.Exec(ctx, `SET synchronous_commit = off`); err != nil {
+		b.Fatal(err)
+	}
+	dp, err := e.migrated(ctx, "dispatcher_bench", 4)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer dp.Close()
+	h := &claim.Handoff{Pool: dp, Routes: e.routes}
+
+	// Interleaved: -count would run each one's repetitions back to back.
+	for range 3 {
+		b.Run("floor", func(b *testing.B) {
+			oneEvent(ctx, b, fp, func() int {
+				var (
+					ids []int64
+					n   int64
+				)
+				if err := conn.QueryRow(ctx, floorHandoffSQL, benchQueue, floorBatch).Scan(&ids, &n); err != nil {
+					b.Fatal(err)
+				}
+				return len(ids)
+			})
+		})
+		b.Run("dispatcher", func(b *testing.B) {
+			oneEvent(ctx, b, dp, func() int {
+				res, err := h.Batch(ctx, 100)
+				if err != nil {
+					b.Fatal(err)
+				}
+				return res.Done
+			})
+		})
+	}
+}
+
+// oneEvent publishes one event with p, untimed, then times handoff, which
+// must hand that one event off, b.N times.
+func oneEvent(ctx context.Context, b *testing.B, p *pgxpool.Pool, handoff func() int) {
+	for b.Loop() {
+		b.StopTimer()
+		if _, err := p.Exec(ctx, `SELECT outbox_publish($1, '{"n":1}')`, eventType); err != nil {
+			b.Fatal(err)
+		}
+		b.StartTimer()
+		if n := handoff(); n != 1 {
+			b.Fatalf("handed off %d events of 1", n)
+		}
 	}
 }
