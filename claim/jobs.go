@@ -17,16 +17,17 @@ import (
 //
 // River's InsertManyTx returns the new jobs' ids to the client, which then
 // needed a round trip of its own to record them in the events
-// (river_job_ids), and a third for River's notification; on two shared
-// cores each round trip is a wait for a core on both sides
-// (docs/benchmarks-record.md, "The floor"). Here the insert's RETURNING feeds the update directly. The
-// rows are River's own: the columns River's JobInsertFastMany writes, with
-// the values River's insertParamsFromConfigArgsAndOptions computes for the
-// handoff's jobs (jobColumns; TestDirectInsertMatchesRiver compares every
-// column with InsertManyTx's), and River's insert notification in River's
-// channel and format for each queue that got a job a worker may fetch (an
-// ordered job queued behind its key's head, pending, is announced when the
-// ordering trigger releases it).
+// (river_job_ids), and a third for River's notification; on two shared cores
+// each round trip is a wait for a core on both sides
+// (docs/benchmarks-record.md, "The floor"). Here the insert's RETURNING feeds
+// the update directly. The rows are River's own: the columns River's
+// JobInsertFastMany writes, with the values River's
+// insertParamsFromConfigArgsAndOptions computes for the handoff's jobs
+// (jobColumns; TestDirectInsertMatchesRiver compares every column with
+// InsertManyTx's), and River's insert notification in River's channel and
+// format for each queue that got a job a worker may fetch (an ordered job
+// queued behind its key's head, pending, is announced when the ordering
+// trigger releases it).
 //
 // $1..$9 are parallel arrays, one entry per job in insert order (see
 // insertOrder): event id, the job's place among its event's jobs (route

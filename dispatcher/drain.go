@@ -344,16 +344,17 @@ const (
 
 func (x decision) String() string { return [...]string{"hold", "add", "retire"}[x] }
 
-// controller decides how many batches a parallel drain keeps in flight:
-// drain rate samples in, a decision out; no clock, no goroutine, no
-// database. Concurrency is a ceiling, not a target: what limits a drain is
-// the database, and past its knee (about its core count) more batches in
-// flight only add lock and buffer contention (docs/benchmarks-record.md). So a
-// drain starts with two workers (one when the ceiling is 1) and, one
-// sample per DrainWindow, adds a worker while the rate still rises by at
-// least 5 % over the window before the last addition; when an added worker
-// brings less, it is retired and the count stays (settled). A worker that
-// runs out of work settles it too: the backlog is ending.
+// controller decides how many batches a parallel drain keeps in flight: drain
+// rate samples in, a decision out; no clock, no goroutine, no database.
+// Concurrency is a ceiling, not a target: what limits a drain is the
+// database, and past its knee (about its core count) more batches in flight
+// only add lock and buffer contention (docs/benchmarks-record.md, "Drain: the
+// database's two cores are the limit"). So a drain starts with two workers
+// (one when the ceiling is 1) and, one sample per DrainWindow, adds a worker
+// while the rate still rises by at least 5 % over the window before the last
+// addition; when an added worker brings less, it is retired and the count
+// stays (settled). A worker that runs out of work settles it too: the backlog
+// is ending.
 type controller struct {
 	max     int
 	workers int

@@ -108,19 +108,19 @@ type completion struct {
 }
 
 const (
-	// maxFastCompletions is how many completion transactions one
-	// middleware has open at once. Fewer writers make larger groups, so
-	// fewer transactions, round trips and River fetches per job; more let
-	// a completion go on while another waits for a key a handoff holds
-	// (since migration 013 only a release that empties its key's line
-	// waits so). Measured with migration 014 (10,000 keys × 10, 50
-	// workers, interleaved full-size drains on fresh production-like
-	// clusters, docs/ordering-measurements.md): one writer 0.37-0.42 of the unordered
-	// rate and 755-940 ms of Postgres CPU per 1,000 events in four runs,
-	// two writers 0.33-0.34 (927-1,007 ms), four 0.30-0.37 (1,038-1,317
-	// ms); a hot key, one job at a time, is the same with any number.
-	// Before 013, four did better on the larger backlog (0.34-0.43
-	// against 0.26-0.38 with two), when every release waited for the
+	// maxFastCompletions is how many completion transactions one middleware
+	// has open at once. Fewer writers make larger groups, so fewer
+	// transactions, round trips and River fetches per job; more let a
+	// completion go on while another waits for a key a handoff holds (since
+	// migration 013 only a release that empties its key's line waits so).
+	// Measured with migration 014 (10,000 keys × 10, 50 workers, interleaved
+	// full-size drains on fresh production-like clusters,
+	// docs/ordering-measurements.md): one writer 0.37-0.42 of the unordered
+	// rate and 755-940 ms of Postgres CPU per 1,000 events in four runs, two
+	// writers 0.33-0.34 (927-1,007 ms), four 0.30-0.37 (1,038-1,317 ms); a
+	// hot key, one job at a time, is the same with any number. Before 013,
+	// four did better on the larger backlog (0.34-0.43 against 0.26-0.38 with
+	// two), when every release waited for the
 	// handoffs that queued behind its key.
 	maxFastCompletions = 1
 	// maxGroup is how many jobs one transaction completes at most.
