@@ -161,11 +161,16 @@ func (c *Client) ListEvents(ctx context.Context, opts EventListOpts) (*EventPage
 
 // eventOfJobSQL finds the event a River job was handed off for: the job's
 // outbox metadata (every handoff writes it), else the envelope args of a
-// job from before the metadata existed.
+// job from before the metadata existed. An ordered job that waits in its
+// key's line is not in river_job yet (migration 024): its line row names
+// its event (a scan of the line, which holds only waiting jobs).
 const eventOfJobSQL = `
 SELECT coalesce((metadata->>'outbox_event_id')::bigint,
                 CASE WHEN kind = $2 THEN (args->>'event_id')::bigint END)
-FROM river_job WHERE id = $1`
+FROM river_job WHERE id = $1
+UNION ALL
+SELECT w.event_id FROM outbox_ordering_wait w WHERE w.job_id = $1 AND NOT EXISTS (SELECT 1 FROM river_job r WHERE r.id = $1)
+LIMIT 1`
 
 // EventOfJob returns the id of the event a River job was handed off for. It
 // returns an error wrapping ErrNotFound when no River job has the id, or

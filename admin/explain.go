@@ -130,6 +130,11 @@ type JobDetail struct {
 	ScheduledAt *time.Time `json:"scheduled_at,omitempty"`
 	AttemptedAt *time.Time `json:"attempted_at,omitempty"`
 	FinalizedAt *time.Time `json:"finalized_at,omitempty"`
+	// InLine is true for an ordered job that waits in its key's line
+	// (outbox_ordering_wait) and is not in river_job yet: its State reads
+	// pending, and River inserts it, with this id, when its turn comes
+	// (docs/ordering.md, "How it works").
+	InLine bool `json:"in_line,omitempty"`
 }
 
 // JobError is one failed attempt of a River job.
@@ -167,10 +172,21 @@ FROM outbox_event e WHERE id = $1`
 
 // explainJobsSQL reads the jobs by primary key: the handoff recorded their
 // ids in outbox_event.river_job_ids, so nothing scans river_job by args.
+// An ordered job that waits in its key's line is not in river_job yet
+// (migration 024): it is read from outbox_ordering_wait, by the event's key
+// ($2 tenant, $3 key: the line's primary key), as pending and in_line. The
+// line's job columns are read through to_jsonb, so that a schema before
+// 024 reads none.
 const explainJobsSQL = `
 SELECT id, queue, state::text, attempt, max_attempts, coalesce(attempted_by, '{}'),
-       coalesce(to_jsonb(errors), '[]'), created_at, scheduled_at, attempted_at, finalized_at
-FROM river_job WHERE id = ANY($1::bigint[])`
+       coalesce(to_jsonb(errors), '[]'), created_at, scheduled_at, attempted_at, finalized_at, false
+FROM river_job WHERE id = ANY($1::bigint[])
+UNION ALL
+SELECT w.job_id, w.queue, 'pending', 0, (to_jsonb(w) ->> 'max_attempts')::int, '{}', '[]',
+       (to_jsonb(w) ->> 'created_at')::timestamptz, NULL, NULL, NULL, true
+FROM outbox_ordering_wait w
+WHERE $3::text IS NOT NULL AND w.tenant_id = coalesce($2, '') AND w.ordering_key = $3 AND w.job_id = ANY($1::bigint[])
+  AND to_jsonb(w) ->> 'kind' IS NOT NULL`
 
 const explainReceiptsSQL = `
 SELECT receiver, state, job_id, attempt, created_at, completed_at, expires_at, result::text
@@ -257,22 +273,20 @@ func (c *Client) explainEvent(ctx context.Context, id int64) (*Explanation, erro
 
 	found := map[int64]JobDetail{}
 	if len(e.RiverJobIDs) > 0 {
-		rows, err := c.pool.Query(ctx, explainJobsSQL, e.RiverJobIDs)
+		rows, err := c.pool.Query(ctx, explainJobsSQL, e.RiverJobIDs, e.TenantID, e.OrderingKey)
 		if err != nil {
 			return nil, fmt.Errorf("read River jobs %v: %w", e.RiverJobIDs, err)
 		}
 		for rows.Next() {
 			var (
-				j              = JobDetail{Found: true}
-				rawErrs        []byte
-				created, sched time.Time
+				j       = JobDetail{Found: true}
+				rawErrs []byte
 			)
 			if err := rows.Scan(&j.ID, &j.Queue, &j.State, &j.Attempt, &j.MaxAttempts, &j.AttemptedBy, &rawErrs,
-				&created, &sched, &j.AttemptedAt, &j.FinalizedAt); err != nil {
+				&j.CreatedAt, &j.ScheduledAt, &j.AttemptedAt, &j.FinalizedAt, &j.InLine); err != nil {
 				rows.Close()
 				return nil, fmt.Errorf("read River jobs: %w", err)
 			}
-			j.CreatedAt, j.ScheduledAt = &created, &sched
 			j.Errors = []JobError{}
 			if err := json.Unmarshal(rawErrs, &j.Errors); err != nil {
 				rows.Close()
@@ -361,6 +375,9 @@ type QueueOrder struct {
 	Queue    string `json:"queue"`
 	JobID    int64  `json:"job_id"`
 	JobState string `json:"job_state"`
+	// InLine is true when the job waits in the key's line, not in River
+	// yet (JobDetail.InLine).
+	InLine bool `json:"in_line,omitempty"`
 	// IsHead is true when this job holds the key in the queue.
 	IsHead bool `json:"is_head"`
 	// HeadJobID, HeadEventID and HeadState name the key's head in the
@@ -463,7 +480,7 @@ func (c *Client) explainOrdering(ctx context.Context, e *EventDetail, jobs []Job
 		if !j.Found {
 			continue
 		}
-		q := QueueOrder{Queue: j.Queue, JobID: j.ID, JobState: j.State}
+		q := QueueOrder{Queue: j.Queue, JobID: j.ID, JobState: j.State, InLine: j.InLine}
 		k, ok := byQueue[j.Queue]
 		if ok {
 			q.HeadJobID, q.HeadEventID, q.HeadState = k.head, k.headEvent, k.headState
@@ -498,7 +515,11 @@ func queueNote(q QueueOrder, keyed bool, ahead int64) string {
 		if state == "" {
 			state = "no longer in river_job"
 		}
-		return fmt.Sprintf("waits behind %s, which is %s, with %d other job(s) of the key ahead of it%s", head, state, ahead, parked)
+		line := ""
+		if q.InLine {
+			line = " (in the key's line, not in River yet: River inserts it when its turn comes)"
+		}
+		return fmt.Sprintf("waits behind %s, which is %s, with %d other job(s) of the key ahead of it%s%s", head, state, ahead, line, parked)
 	case q.JobState == "pending":
 		return "pending, but its key has no unfinished job in this queue: nothing will release it (report this)"
 	case !keyed || q.JobState == "completed":

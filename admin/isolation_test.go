@@ -25,16 +25,25 @@ func TestUnparkSkipAtRepeatableRead(t *testing.T) {
 	head := jobOf(t, s, ids[0])
 	discard(t, s, head)
 
+	// Queued as the handoff queues it: its id taken first, it waits in the
+	// key's line, not in river_job (migration 024).
 	handoff, pid := pgtest.OpenTx(t, ctx, s.Pool)
 	var queued int64
+	if err := handoff.QueryRow(ctx, `SELECT nextval('river_job_id_seq')`).Scan(&queued); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := handoff.Exec(ctx, `
+		INSERT INTO river_job (id, kind, args, queue, max_attempts, metadata)
+		SELECT $1, 'order_step', '{}', 'outbox_order', 3,
+		       jsonb_build_object('outbox_tenant_id', 'acme', 'outbox_ordering_key', 'k', 'outbox_ordering_position', 1e15::bigint)
+		FROM `+pgtest.AsHandoff, queued); err != nil {
+		t.Fatal(err)
+	}
 	var state string
-	err := handoff.QueryRow(ctx, `
-		INSERT INTO river_job (kind, args, queue, max_attempts, metadata)
-		VALUES ('order_step', '{}', 'outbox_order', 3,
-		        jsonb_build_object('outbox_tenant_id', 'acme', 'outbox_ordering_key', 'k', 'outbox_ordering_position', 1e15::bigint))
-		RETURNING id, state::text`).Scan(&queued, &state)
-	if err != nil || state != "pending" {
-		t.Fatalf("job queued behind the parked head as %q (%v), want pending", state, err)
+	var waits bool
+	err := handoff.QueryRow(ctx, `SELECT state, in_line FROM `+pgtest.Jobs+` WHERE id = $1`, queued).Scan(&state, &waits)
+	if err != nil || state != "pending" || !waits {
+		t.Fatalf("job queued behind the parked head as %q (in the line: %t, %v), want pending in the key's line", state, waits, err)
 	}
 
 	cl := admin.New(pgtest.IsolationPool(t, s, "repeatable read"))
@@ -50,8 +59,8 @@ func TestUnparkSkipAtRepeatableRead(t *testing.T) {
 	if err := <-done; err != nil {
 		t.Fatalf("unpark: %v", err)
 	}
-	if st := jobState(t, s, queued); st != "available" {
-		t.Fatalf("the job queued behind the skipped head is %s, want available", st)
+	if st := jobState(t, s, queued); st != "available" || inLine(t, s, queued) {
+		t.Fatalf("the job queued behind the skipped head is %s, want available in River", st)
 	}
 	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_key WHERE head_job_id = $1 AND parked_at IS NULL`, queued); n != 1 {
 		t.Fatalf("the queued job heads %d unparked keys, want 1", n)

@@ -25,7 +25,7 @@ const (
 const (
 	// KeyParked: the head job of the key in a queue was discarded or
 	// cancelled (or deleted when its turn came); the key's later jobs wait
-	// in River's pending state until an operator unparks it (Unpark).
+	// in its line until an operator unparks it (Unpark).
 	KeyParked = "parked"
 	// KeyHeadMissing: the key's head job is no longer in river_job but the
 	// key was never parked (the job was deleted by hand before it

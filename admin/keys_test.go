@@ -19,7 +19,8 @@ import (
 
 // handOff hands every due event off to River with the real claim (routes:
 // order. to outbox_order), as the dispatcher does, so that the ordering
-// triggers make the first job of a key its head and hold the rest pending.
+// triggers make the first job of a key its head and hold the rest pending
+// in the key's line (not in river_job until their turn, migration 024).
 func handOff(t *testing.T, s *pgtest.Schema) claim.Result {
 	t.Helper()
 	return ordertest.HandOff(t, s.Pool, nil)
@@ -54,13 +55,24 @@ func discard(t *testing.T, s *pgtest.Schema, jobID int64) {
 	}
 }
 
+// jobState is the state of a job, in River or waiting in its key's line
+// (pending there: pgtest.Jobs). A job found in both, or in neither, fails
+// the test.
 func jobState(t *testing.T, s *pgtest.Schema, jobID int64) string {
 	t.Helper()
 	var st string
-	if err := s.Pool.QueryRow(context.Background(), `SELECT state::text FROM river_job WHERE id = $1`, jobID).Scan(&st); err != nil {
-		t.Fatalf("state of job %d: %v", jobID, err)
+	var n int
+	if err := s.Pool.QueryRow(context.Background(), `SELECT min(state), count(*) FROM `+pgtest.Jobs+` WHERE id = $1`, jobID).Scan(&st, &n); err != nil || n != 1 {
+		t.Fatalf("state of job %d: %v (%d rows)", jobID, err, n)
 	}
 	return st
+}
+
+// inLine tells whether a job waits in its key's line, not in river_job.
+func inLine(t *testing.T, s *pgtest.Schema, jobID int64) bool {
+	t.Helper()
+	return pgtest.Count(t, s.Pool, `SELECT count(*) FROM `+pgtest.Jobs+` WHERE id = $1 AND in_line`, jobID) == 1 &&
+		pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1`, jobID) == 0
 }
 
 // TestKeysListsWhatHoldsEachKey: a parked key (its head discarded), a key
@@ -204,8 +216,8 @@ func TestUnparkDryRunRetryAndSkip(t *testing.T) {
 	if res.AuditID == 0 || len(res.Keys) != 1 {
 		t.Fatalf("retry %+v", res)
 	}
-	if st, nst := jobState(t, s, headA), jobState(t, s, nextA); st != "available" || nst != "pending" {
-		t.Fatalf("after retry: head %s, next %s; want available, pending", st, nst)
+	if st, nst := jobState(t, s, headA), jobState(t, s, nextA); st != "available" || nst != "pending" || !inLine(t, s, nextA) {
+		t.Fatalf("after retry: head %s, next %s (in the line: %t); want available, pending in the key's line", st, nst, inLine(t, s, nextA))
 	}
 	var actor, action, reason string
 	if err := s.Pool.QueryRow(ctx, `SELECT actor, action, detail->>'reason' FROM outbox_audit WHERE id = $1`, res.AuditID).Scan(&actor, &action, &reason); err != nil {
@@ -215,12 +227,17 @@ func TestUnparkDryRunRetryAndSkip(t *testing.T) {
 		t.Fatalf("audit row: %s %s %q", actor, action, reason)
 	}
 
+	if !inLine(t, s, nextB) {
+		t.Fatal("the job behind the head to skip does not wait in the key's line")
+	}
 	res, err = cl.Unpark(ctx, admin.UnparkRequest{Actor: "bob", Key: "skip-me", Tenant: "acme", Queue: "outbox_order", Action: admin.UnparkSkip})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if st, nst := jobState(t, s, headB), jobState(t, s, nextB); res.AuditID == 0 || st != "discarded" || nst != "available" {
-		t.Fatalf("after skip (%+v): head %s, next %s; want discarded, available", res, st, nst)
+	// The skip released the next job: River's row, with the id it had in
+	// the line.
+	if st, nst := jobState(t, s, headB), jobState(t, s, nextB); res.AuditID == 0 || st != "discarded" || nst != "available" || inLine(t, s, nextB) {
+		t.Fatalf("after skip (%+v): head %s, next %s (in the line: %t); want discarded, available in River", res, st, nst, inLine(t, s, nextB))
 	}
 	list, err := cl.Keys(ctx, admin.KeysFilter{ParkedOnly: true})
 	if err != nil {
@@ -334,21 +351,41 @@ func TestExplainShowsTheOrder(t *testing.T) {
 		!o.Queues[0].IsHead || o.Queues[0].Behind != 2 || o.WaitsFor != nil || !strings.Contains(o.Queues[0].Note, "is the head") {
 		t.Fatalf("head event: %+v", o)
 	}
+	if o.Queues[0].InLine || len(ex.Jobs) != 1 || ex.Jobs[0].InLine || ex.Jobs[0].ID != head || ex.Jobs[0].State != "available" {
+		t.Fatalf("head event: %+v (jobs %+v), want its job in River, not in the line", o.Queues[0], ex.Jobs)
+	}
 	ex, err = cl.Explain(ctx, evs[2], admin.ExplainOpts{})
 	if err != nil {
 		t.Fatal(err)
 	}
+	// It waits in the key's line, not in River yet: explain reads it from
+	// the line, pending. (Read from river_job only, it was not found and
+	// the event had no queue to explain.)
+	if len(ex.Ordering.Queues) != 1 {
+		t.Fatalf("third event: queues %+v (jobs %+v), want its job's queue", ex.Ordering.Queues, ex.Jobs)
+	}
 	q := ex.Ordering.Queues[0]
-	if q.IsHead || q.JobState != "pending" || q.HeadJobID == nil || *q.HeadJobID != head || *q.HeadEventID != evs[0] || q.Ahead != 1 ||
-		q.Parked || q.HeadState != "available" || ex.Ordering.Position <= o.Position {
+	if q.IsHead || q.JobState != "pending" || !q.InLine || q.HeadJobID == nil || *q.HeadJobID != head || *q.HeadEventID != evs[0] || q.Ahead != 1 ||
+		q.Parked || q.HeadState != "available" || ex.Ordering.Position <= o.Position ||
+		!strings.Contains(q.Note, "in the key's line, not in River yet") {
 		t.Fatalf("third event: %+v", q)
+	}
+	if j := ex.Jobs; len(j) != 1 || !j[0].Found || !j[0].InLine || j[0].State != "pending" || j[0].ID != jobOf(t, s, evs[2]) || j[0].Queue != "outbox_order" {
+		t.Fatalf("third event's jobs %+v, want its job pending in the key's line", j)
+	}
+	if b, err := json.Marshal(ex.Jobs[0]); err != nil || !strings.Contains(string(b), `"in_line":true`) {
+		t.Fatalf("third event's job as JSON: %s (%v), want in_line true", b, err)
 	}
 	discard(t, s, head)
 	ex, err = cl.Explain(ctx, evs[2], admin.ExplainOpts{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if q := ex.Ordering.Queues[0]; !q.Parked || q.ParkedState != "discarded" || q.ParkedAt == nil || !strings.Contains(q.Note, "parked") {
+	if len(ex.Ordering.Queues) != 1 {
+		t.Fatalf("behind a parked head: queues %+v (jobs %+v), want its job's queue", ex.Ordering.Queues, ex.Jobs)
+	}
+	if q := ex.Ordering.Queues[0]; !q.Parked || q.ParkedState != "discarded" || q.ParkedAt == nil || !strings.Contains(q.Note, "parked") ||
+		!q.InLine || !strings.Contains(q.Note, "in the key's line, not in River yet") {
 		t.Fatalf("behind a parked head: %+v", q)
 	}
 

@@ -125,7 +125,7 @@ type OrderingStats struct {
 	// ParkedByState splits Parked by parked_state: discarded, cancelled
 	// and deleted, each always present.
 	ParkedByState map[string]int64 `json:"parked_keys_by_state"`
-	// Waiting counts the ordered jobs held pending behind their key's
+	// Waiting counts the ordered jobs waiting in the line behind their key's
 	// head; WaitingParked, those behind a parked key.
 	Waiting       int64 `json:"waiting_jobs"`
 	WaitingParked int64 `json:"waiting_jobs_behind_parked"`

@@ -241,8 +241,8 @@ job AS (
                                        f.ordering_position, f.scheduled_at, f.id, t.route_pos) AS ord
     FROM ev f JOIN tmpl t ON t.rule_idx = f.rule_idx
 ),` + handoffWritesSQL(`
-        SELECT event_id, array_agg(id ORDER BY id) AS ids
-        FROM ins
+        SELECT event_id, array_agg(jid ORDER BY jid) AS ids
+        FROM jobn
         GROUP BY event_id`) + `,
 counts AS MATERIALIZED (
     SELECT x.*, ` + check + ` AS checked

@@ -105,14 +105,24 @@ VALUES ($1, $2::jsonb, $3::timestamptz, $4, $5, $6, $7)`, e.typ, e.payload, e.cr
 // route order (every column but the ids and the insert times, and each
 // keyed job's place in the insert order of the keyed jobs, which is the
 // order in which their key rows are locked and decides each key's head).
+// A job that waits in its key's line (migration 024) is not in river_job:
+// it is read through pgtest.Jobs, state pending and in_line true, with the
+// columns its line row keeps for River (args, kind, max_attempts,
+// metadata, priority, queue, tags). A job in River reads in_line false.
 func handedOff(t *testing.T, ctx context.Context, pool *pgxpool.Pool) []string {
 	t.Helper()
 	return queryStrings(t, ctx, pool, `
 SELECT (to_jsonb(e) - 'processed_at' - 'river_job_ids' - 'scheduled_at')::text || ' jobs ' || coalesce((
-    SELECT jsonb_agg(to_jsonb(j) - 'id' - 'created_at' - 'scheduled_at'
-                     || jsonb_build_object('keyed_insert_rank', CASE WHEN j.metadata ? 'outbox_ordering_key' THEN
-                            (SELECT count(*) FROM river_job p WHERE p.id < j.id AND p.metadata ? 'outbox_ordering_key') END) ORDER BY u.ord)
-    FROM unnest(e.river_job_ids) WITH ORDINALITY u(job_id, ord) JOIN river_job j ON j.id = u.job_id), '[]')::text
+    SELECT jsonb_agg(coalesce(to_jsonb(j) - 'id' - 'created_at' - 'scheduled_at',
+                              jsonb_build_object('args', w.args, 'kind', w.kind, 'max_attempts', w.max_attempts, 'metadata', w.metadata,
+                                                 'priority', w.priority, 'queue', w.queue, 'tags', w.tags))
+                     || jsonb_build_object('state', a.state, 'in_line', a.in_line,
+                            'keyed_insert_rank', CASE WHEN a.metadata ? 'outbox_ordering_key' THEN
+                            (SELECT count(*) FROM `+pgtest.Jobs+` WHERE river_job.id < a.id AND river_job.metadata ? 'outbox_ordering_key') END) ORDER BY u.ord)
+    FROM unnest(e.river_job_ids) WITH ORDINALITY u(job_id, ord)
+    JOIN (SELECT * FROM `+pgtest.Jobs+`) a ON a.id = u.job_id
+    LEFT JOIN river_job j ON j.id = a.id AND NOT a.in_line
+    LEFT JOIN outbox_ordering_wait w ON w.job_id = a.id AND a.in_line), '[]')::text
 FROM outbox_event e ORDER BY e.id`)
 }
 
@@ -254,7 +264,7 @@ func testFastHandoffMatchesGoHandoff(t *testing.T, oneTrip bool) {
 	// Sanity: the comparison covered jobs of every shape.
 	all := strings.Join(got, "\n")
 	for _, s := range []string{`"kind": "shop_payload"`, `"kind": "shop_kinded"`, `"kind": "order_payload"`, `"tracestate": "vendor=a,other=b c"`, `"outbox_args": "payload"`,
-		`"state": "pending"`, `"ordering_key": "Z-key"`, `"outbox_ordering_position"`} {
+		`"state": "pending"`, `"in_line": true`, `"ordering_key": "Z-key"`, `"outbox_ordering_position"`} {
 		if !strings.Contains(all, s) {
 			t.Errorf("no job with %s among:\n%s", s, all)
 		}
@@ -326,12 +336,16 @@ func TestOneRoundTripAfterWholeBatches(t *testing.T) {
 	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done' AND cardinality(river_job_ids) >= 1`); n != 8 {
 		t.Fatalf("%d events done with their jobs, want 8", n)
 	}
-	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job`); n != 9 {
-		t.Fatalf("%d River jobs, want 9 (one of the events has two)", n)
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM `+pgtest.Jobs); n != 9 {
+		t.Fatalf("%d River jobs (in River or in line), want 9 (one of the events has two)", n)
 	}
-	// The second k2 job waits behind the first, as the Go handoff's would.
-	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state = 'pending' AND metadata->>'outbox_ordering_key' = 'k2'`); n != 1 {
-		t.Fatalf("%d k2 jobs pending, want 1", n)
+	// The second k2 job waits behind the first, as the Go handoff's would:
+	// in its key's line, not in river_job (migration 024).
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM `+pgtest.Jobs+` WHERE state = 'pending' AND in_line AND metadata->>'outbox_ordering_key' = 'k2'`); n != 1 {
+		t.Fatalf("%d k2 jobs pending in line, want 1", n)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE metadata->>'outbox_ordering_key' = 'k2'`); n != 1 {
+		t.Fatalf("%d k2 jobs in river_job, want 1 (the head; the other waits in line)", n)
 	}
 
 	// Without migration 016's check function the round trip is turned
@@ -518,10 +532,12 @@ VALUES ('audit.user.login', '{}', 'k3', now() + interval '1 hour')`); err != nil
 		if res.Done != 2 || res.OneStatement != 2 {
 			t.Fatalf("batch after: %+v; want both k3 events done by the statement", res)
 		}
-		got := queryStrings(t, f.ctx, f.s.Pool, `SELECT state::text FROM river_job WHERE metadata->>'outbox_ordering_key' = 'k3'
-ORDER BY (metadata->>'outbox_ordering_position')::bigint`)
-		if len(got) != 2 || got[0] != "available" || got[1] != "pending" {
-			t.Fatalf("k3 jobs in position order: %v; want the first available, the second pending behind it", got)
+		// The second waits in the key's line, not in river_job (migration
+		// 024).
+		got := queryStrings(t, f.ctx, f.s.Pool, `SELECT state || CASE WHEN in_line THEN ' in line' ELSE '' END FROM `+pgtest.Jobs+`
+WHERE metadata->>'outbox_ordering_key' = 'k3' ORDER BY (metadata->>'outbox_ordering_position')::bigint`)
+		if len(got) != 2 || got[0] != "available" || got[1] != "pending in line" {
+			t.Fatalf("k3 jobs in position order: %v; want the first available, the second pending in line behind it", got)
 		}
 	})
 }

@@ -19,15 +19,16 @@ import (
 // needed a round trip of its own to record them in the events
 // (river_job_ids), and a third for River's notification; on two shared cores
 // each round trip is a wait for a core on both sides
-// (docs/benchmarks-record.md, "The floor"). Here the insert's RETURNING feeds
-// the update directly. The rows are River's own: the columns River's
+// (docs/benchmarks-record.md, "The floor"). Here the statement takes the
+// ids from River's sequence itself and records them in the same statement.
+// The rows are River's own: the columns River's
 // JobInsertFastMany writes, with the values River's
 // insertParamsFromConfigArgsAndOptions computes for the handoff's jobs
 // (jobColumns; TestDirectInsertMatchesRiver compares every column with
 // InsertManyTx's), and River's insert notification in River's channel and
 // format for each queue that got a job a worker may fetch (an ordered job
-// queued behind its key's head, pending, is announced when the ordering
-// trigger releases it).
+// queued behind its key's head waits in the key's line, and is inserted
+// and announced when the release lets it go).
 //
 // $1..$9 are parallel arrays, one entry per job in insert order (see
 // insertOrder): event id, the job's place among its event's jobs (route
@@ -47,23 +48,36 @@ SELECT ` + handoffCounts
 // handoffWrites are the common-table expressions that write a handoff: given
 // a CTE job with one row per job (event_id, route_pos, args, kind,
 // max_attempts, metadata, priority, queue, tags, and ord, the insert order),
-// ins inserts River's rows, done marks the events done with their jobs' ids
-// in route order, and announced sends River's insert notification once per
-// queue that got a job a worker may fetch. handoffSQL takes the jobs from
+// jobn gives each job its River id (river_job_id_seq, in insert order), ins
+// inserts River's rows with those ids, done marks the events done with
+// their jobs' ids in route order, and announced sends River's insert
+// notification once per queue that got a job a worker may fetch. An
+// ordered job that must wait for its key is not inserted: the ordering
+// trigger queues it in the key's line with its id (migration 024), so ins
+// does not return it and the counts add it (waitedSQL). The trigger does
+// that only for the handoff's own inserts: jobn sets outbox.ordering_line
+// to the transaction's id with each row, before ins inserts it (ins reads
+// jobn row by row), and other inserts of ordered jobs wait as pending
+// River rows. handoffSQL takes the jobs from
 // the client; the one-statement claim (fastSQL) builds them in SQL.
 var handoffWrites = handoffWritesSQL(`
-        SELECT ins.event_id, array_agg(ins.id ORDER BY job.route_pos) AS ids
-        FROM ins JOIN job ON job.event_id = ins.event_id AND job.queue = ins.queue
-        GROUP BY ins.event_id`)
+        SELECT event_id, array_agg(jid ORDER BY route_pos) AS ids
+        FROM jobn
+        GROUP BY event_id`)
 
 // handoffWritesSQL is handoffWrites with ids, the query that gives each
 // event's job ids in route order (event_id, ids).
 func handoffWritesSQL(ids string) string {
 	return `
+jobn AS MATERIALIZED (
+    SELECT j.*, nextval('river_job_id_seq') AS jid,
+           set_config('outbox.ordering_line', txid_current()::text, true) AS line
+    FROM (SELECT * FROM job ORDER BY ord) j
+),
 ins AS (
-    INSERT INTO river_job (args, created_at, kind, max_attempts, metadata, priority, queue, scheduled_at, state, tags)
-    SELECT args, now(), kind, max_attempts, metadata, priority, queue, now(), 'available', string_to_array(tags, ',')::varchar(255)[]
-    FROM job
+    INSERT INTO river_job (id, args, created_at, kind, max_attempts, metadata, priority, queue, scheduled_at, state, tags)
+    SELECT jid, args, now(), kind, max_attempts, metadata, priority, queue, now(), 'available', string_to_array(tags, ',')::varchar(255)[]
+    FROM jobn
     ORDER BY ord
     RETURNING id, (metadata->>'outbox_event_id')::bigint AS event_id, queue, state
 ),
@@ -85,8 +99,19 @@ announced AS (
 // inserted, events marked done, job ids recorded in them, queues announced.
 // Reading announced is also what makes its notifications run: Postgres
 // evaluates a SELECT in WITH only when the query reads it.
-const handoffCounts = `(SELECT count(*) FROM ins), (SELECT count(*) FROM done), (SELECT coalesce(sum(jobs), 0) FROM done),
+const handoffCounts = `(SELECT count(*) + ` + waitedSQL + ` FROM ins), (SELECT count(*) FROM done), (SELECT coalesce(sum(jobs), 0) FROM done),
        (SELECT count(*) FROM announced)`
+
+// waitedSQL is how many of the statement's jobs the ordering trigger
+// queued in their key's line instead of inserting them (migration 024):
+// the trigger counts them in the transaction-local setting
+// outbox.ordering_waited as "<statement start in µs>/<count>". It is read
+// in the projection of the count over ins, which runs once the insert has
+// run for every row, and only a count tagged with this statement's start
+// counts. Before 024 (or with no keyed job waiting) it is 0.
+const waitedSQL = `CASE WHEN split_part(current_setting('outbox.ordering_waited', true), '/', 1)
+                = (extract(epoch FROM statement_timestamp()) * 1000000)::bigint::text
+           THEN split_part(current_setting('outbox.ordering_waited', true), '/', 2)::bigint ELSE 0 END`
 
 // jobColumns holds a batch's jobs as the parallel arrays of handoffSQL.
 type jobColumns struct {

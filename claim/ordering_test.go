@@ -24,11 +24,14 @@ func keyed(tenant, key string) outbox.Event {
 	return outbox.Event{Type: "mail.order.changed", TenantID: tenant, OrderingKey: key}
 }
 
-// jobOf returns the id of event id's River job, 0 when it has none.
+// jobOf returns the id of event id's River job, 0 when it has none. A job
+// that waits in its key's line (migration 024) is not in river_job until
+// its turn: it is read with the others through pgtest.Jobs, with the id
+// the handoff gave it.
 func jobOf(t *testing.T, pool *pgxpool.Pool, id int64) int64 {
 	t.Helper()
 	var job int64
-	err := pool.QueryRow(context.Background(), `SELECT coalesce(max(j.id), 0) FROM river_job j WHERE (j.metadata->>'outbox_event_id')::bigint = $1`, id).Scan(&job)
+	err := pool.QueryRow(context.Background(), `SELECT coalesce(max(river_job.id), 0) FROM `+pgtest.Jobs+` WHERE (river_job.metadata->>'outbox_event_id')::bigint = $1`, id).Scan(&job)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -70,8 +73,9 @@ func wantStatus(t *testing.T, pool *pgxpool.Pool, what string, id int64, status 
 	}
 }
 
-// wantJobsInOrder checks that the events' jobs exist and were inserted in
-// the given order.
+// wantJobsInOrder checks that the events' jobs exist (in River or waiting
+// in their key's line) and were inserted in the given order: the handoff
+// takes their ids from River's sequence in insert order.
 func wantJobsInOrder(t *testing.T, pool *pgxpool.Pool, ids ...int64) {
 	t.Helper()
 	var prev int64
@@ -349,7 +353,9 @@ func TestTenantsKeysAreApart(t *testing.T) {
 // as when a producer draws its id before waiting for the key's lock) and
 // the same scheduled_at are claimed in id order; their River jobs are
 // inserted in position order, so the earlier position's job is the head
-// and the other waits pending.
+// and the other waits pending in the key's line (not in river_job, since
+// migration 024); the head's completion inserts it into river_job,
+// available, with the id the handoff gave it.
 func TestJobsOfAKeyAreInsertedInPositionOrder(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
@@ -389,12 +395,32 @@ func TestJobsOfAKeyAreInsertedInPositionOrder(t *testing.T) {
 	if err := s.Pool.QueryRow(ctx, `SELECT head_event_id, (SELECT count(*) FROM outbox_ordering_wait WHERE ordering_key = 'k') FROM outbox_ordering_key WHERE ordering_key = 'k'`).Scan(&headEvent, &waiting); err != nil {
 		t.Fatal(err)
 	}
+	head, later := jobOf(t, s.Pool, 1000), jobOf(t, s.Pool, 500)
 	var state string
-	if err := s.Pool.QueryRow(ctx, `SELECT state::text FROM river_job WHERE id = $1`, jobOf(t, s.Pool, 500)).Scan(&state); err != nil {
+	var inLine bool
+	if err := s.Pool.QueryRow(ctx, `SELECT state, in_line FROM `+pgtest.Jobs+` WHERE id = $1`, later).Scan(&state, &inLine); err != nil {
 		t.Fatal(err)
 	}
-	if headEvent != 1000 || waiting != 1 || state != "pending" {
-		t.Errorf("head event %d, %d waiting, the later position's job %s; want head 1000, 1 waiting, pending", headEvent, waiting, state)
+	if headEvent != 1000 || waiting != 1 || state != "pending" || !inLine {
+		t.Errorf("head event %d, %d waiting, the later position's job %s (in line %v); want head 1000, 1 waiting, pending in line", headEvent, waiting, state, inLine)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1`, later); n != 0 {
+		t.Errorf("the waiting job %d is in river_job, want it only in its key's line", later)
+	}
+	// The head's completion lets the waiting job into River, with its id.
+	for _, q := range []string{
+		`UPDATE river_job SET state = 'running', attempt = 1, attempted_at = now() WHERE id = $1`,
+		`UPDATE river_job SET state = 'completed', finalized_at = now() WHERE id = $1 AND state = 'running'`,
+	} {
+		if _, err := s.Pool.Exec(ctx, q, head); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1 AND state = 'available'`, later); n != 1 {
+		t.Errorf("after the head's completion the later position's job %d is not available in river_job", later)
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_wait WHERE job_id = $1`, later); n != 0 {
+		t.Errorf("after the head's completion the later position's job %d is still in the line", later)
 	}
 }
 
@@ -431,9 +457,9 @@ func TestOneSkipsABlockedEventWithoutCharge(t *testing.T) {
 }
 
 // TestHandoffAnnouncesOnlyRunnableJobs: a batch whose only job waits
-// behind its key's head (River's pending state) wakes no worker: the
-// ordering trigger announces the job when it releases it. A batch with a
-// runnable job announces its queue.
+// behind its key's head (in the key's line, not in river_job, since
+// migration 024) wakes no worker: the ordering trigger announces the job
+// when it releases it. A batch with a runnable job announces its queue.
 func TestHandoffAnnouncesOnlyRunnableJobs(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
@@ -452,8 +478,12 @@ func TestHandoffAnnouncesOnlyRunnableJobs(t *testing.T) {
 	if res := batch(t, h); res.Done != 1 {
 		t.Fatalf("second batch %+v", res)
 	}
-	if st := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state = 'pending' AND id = $1`, jobOf(t, s.Pool, waiting[0])); st != 1 {
+	job := jobOf(t, s.Pool, waiting[0])
+	if st := pgtest.Count(t, s.Pool, `SELECT count(*) FROM `+pgtest.Jobs+` WHERE state = 'pending' AND in_line AND id = $1`, job); st != 1 {
 		t.Fatal("the second job is not waiting behind the head")
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1`, job); n != 0 {
+		t.Fatal("the second job is in river_job while it waits, want it only in its key's line")
 	}
 	if got := received(); len(got) != 0 {
 		t.Fatalf("a batch of a waiting job announced %v, want nothing", got)

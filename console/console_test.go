@@ -367,9 +367,11 @@ func TestKeysPageAndUnpark(t *testing.T) {
 		!strings.Contains(body, "webhook 500") || strings.Contains(body, `class="inline unpark"`) {
 		t.Fatalf("keys page, signed out: %d\n%s", code, body)
 	}
-	// The event page of the waiting event shows the key's order.
+	// The event page of the waiting event shows the key's order, and that
+	// its job waits in the key's line, not in River yet.
 	if code, body, _ = c.do("GET", "/console/events/"+itoa(events[1]), nil); code != 200 || !strings.Contains(body, `id="ordering-key"`) ||
-		!strings.Contains(body, "waits behind head job "+itoa(jobs[0])) || !strings.Contains(body, `/console/keys?key=order-42%3cscript%3e&amp;queue=outbox_order`) {
+		!strings.Contains(body, "waits behind head job "+itoa(jobs[0])) || !strings.Contains(body, "line, not in River yet") ||
+		!strings.Contains(body, `/console/keys?key=order-42%3cscript%3e&amp;queue=outbox_order`) {
 		t.Fatalf("event page of a waiting event: %d\n%s", code, body)
 	}
 	form := url.Values{"action": {"unpark"}, "key": {key}, "tenant": {"acme"}, "queue": {"outbox_order"}, "unpark": {"skip"}}
@@ -388,7 +390,10 @@ func TestKeysPageAndUnpark(t *testing.T) {
 	if code != 200 || !strings.Contains(body, `<b id="affected">1</b>`) || !strings.Contains(body, `id="confirm"`) || !strings.Contains(body, `name="confirm" value="on"`) {
 		t.Fatalf("unpark preview: %d\n%s", code, body)
 	}
-	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1 AND state = 'pending'`, jobs[1]); n != 1 || pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_audit`) != 0 {
+	// The next job still waits in the key's line (pending there, not in
+	// river_job until its turn).
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM `+pgtest.Jobs+` WHERE id = $1 AND state = 'pending' AND in_line`, jobs[1]); n != 1 ||
+		pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1`, jobs[1]) != 0 || pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_audit`) != 0 {
 		t.Fatal("the preview changed something")
 	}
 	// The run needs the preview's confirmation.
@@ -401,7 +406,9 @@ func TestKeysPageAndUnpark(t *testing.T) {
 	if code != 200 || !strings.Contains(body, `id="audit-id"`) {
 		t.Fatalf("unpark run: %d\n%s", code, body)
 	}
-	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1 AND state = 'available'`, jobs[1]); n != 1 {
+	// Released: River's row, available, with the id it had in the line.
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1 AND state = 'available'`, jobs[1]); n != 1 ||
+		pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_wait WHERE job_id = $1`, jobs[1]) != 0 {
 		t.Error("the next job was not released")
 	}
 	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_audit WHERE actor = 'console:alice' AND action = 'unpark' AND detail->>'reason' = 'customer gone'`); n != 1 {

@@ -59,23 +59,25 @@ func keyBacklog(t *testing.T, s *pgtest.Schema, delay time.Duration, n, m int) (
 
 // jobsOutOfKeyOrder counts the keyed River jobs inserted after a job of a
 // later ordering position (of a single key's backlog: job ids must rise
-// with the position).
+// with the position). It reads the jobs that wait in the key's line too
+// (pgtest.Jobs): they are not in river_job until their turn.
 func jobsOutOfKeyOrder(t *testing.T, pool *pgxpool.Pool) int {
 	t.Helper()
 	return pgtest.Count(t, pool, `
 		SELECT count(*) FROM (
 			SELECT (metadata->>'outbox_ordering_position')::bigint AS pos,
 			       lag((metadata->>'outbox_ordering_position')::bigint) OVER (ORDER BY id) AS prev
-			FROM river_job WHERE metadata ? 'outbox_ordering_key') j
+			FROM `+pgtest.Jobs+` WHERE metadata ? 'outbox_ordering_key') j
 		WHERE pos < prev`)
 }
 
-// firstKeyedJobEvent is the event of the first keyed River job inserted.
+// firstKeyedJobEvent is the event of the first keyed River job inserted,
+// whether it runs or waits in its key's line.
 func firstKeyedJobEvent(t *testing.T, pool *pgxpool.Pool) int64 {
 	t.Helper()
 	var first int64
 	if err := pool.QueryRow(context.Background(), `
-		SELECT (metadata->>'outbox_event_id')::bigint FROM river_job
+		SELECT (metadata->>'outbox_event_id')::bigint FROM `+pgtest.Jobs+`
 		WHERE metadata ? 'outbox_ordering_key' ORDER BY id LIMIT 1`).Scan(&first); err != nil {
 		t.Fatal(err)
 	}
@@ -197,8 +199,13 @@ func TestHotKeyBacklogIsWalked(t *testing.T) {
 	if k := jobsOutOfKeyOrder(t, s.Pool); k != 0 {
 		t.Fatalf("%d jobs of the key inserted after a job of a later position", k)
 	}
-	if j := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job`); j != n {
+	// One job per event: the head in River, the others waiting in the
+	// key's line (not in river_job until their turn).
+	if j := pgtest.Count(t, s.Pool, `SELECT count(*) FROM `+pgtest.Jobs); j != n {
 		t.Fatalf("%d River jobs for %d events", j, n)
+	}
+	if j := pgtest.Count(t, s.Pool, `SELECT count(*) FROM `+pgtest.Jobs+` WHERE in_line`); j != n-1 {
+		t.Fatalf("%d jobs wait in the key's line, want %d (all but the head)", j, n-1)
 	}
 }
 
@@ -256,8 +263,13 @@ func TestDispatcherWakesIdleKeys(t *testing.T) {
 	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_key WHERE head_job_id = $1 AND idle_since IS NOT NULL`, first); n != 1 {
 		t.Fatalf("%d idle keys headed by the first job, want 1", n)
 	}
-	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1 AND state = 'pending'`, second); n != 1 {
+	// It waits in the key's line, not in river_job; the wake inserts it
+	// into River, available, with the same id.
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM `+pgtest.Jobs+` WHERE id = $1 AND state = 'pending' AND in_line`, second); n != 1 {
 		t.Fatal("the next job is not waiting behind the idle key")
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1`, second); n != 0 {
+		t.Fatal("the next job is in river_job while it waits behind the idle key")
 	}
 	start(t, s.Pool, dispatcher.Config{PollInterval: 50 * time.Millisecond, IdleWakeInterval: 100 * time.Millisecond})
 	pgtest.WaitFor(t, 60*time.Second, "the next job released by the wake", func() bool {
@@ -336,7 +348,11 @@ func heldKeyClaims(t *testing.T, s *pgtest.Schema, limit int64) {
 	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_key WHERE ordering_key = 'order-7' AND head_job_id = $1`, a); n != 1 {
 		t.Fatalf("the delayed event's job %d is not its key's head", a)
 	}
-	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1 AND state = 'pending'`, b); n != 1 {
+	// The second event's job waits in the key's line, not in river_job.
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM `+pgtest.Jobs+` WHERE id = $1 AND state = 'pending' AND in_line`, b); n != 1 {
 		t.Fatal("the second event's job does not wait behind the first's")
+	}
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1`, b); n != 0 {
+		t.Fatal("the second event's job is in river_job while it waits behind the first's")
 	}
 }

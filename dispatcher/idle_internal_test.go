@@ -17,14 +17,16 @@ import (
 // READ COMMITTED leaves them (migration 018): each key's head is inserted
 // as a handoff inserts it and completed by River's completion statement at
 // REPEATABLE READ with nothing in line. With waiting, each key then gets
-// one more job, which waits behind the idle key. It returns the waiting
-// jobs' ids by key.
+// one more job, inserted as a handoff inserts it (its id taken from
+// river_job_id_seq first), which waits behind the idle key in the key's
+// line, not in river_job (migration 024). It returns the waiting jobs' ids
+// by key.
 func idleKeys(t *testing.T, ctx context.Context, s *pgtest.Schema, n int, waiting bool) map[string]int64 {
 	t.Helper()
 	_, err := s.Pool.Exec(ctx, `
 		INSERT INTO river_job (kind, args, queue, max_attempts, metadata, state, attempt, attempted_at)
 		SELECT 'order_step', '{}', 'q', 3, jsonb_build_object('outbox_ordering_key', 'k' || i, 'outbox_ordering_position', 1), 'running', 1, now()
-		FROM generate_series(0, $1 - 1) AS i`, n)
+		FROM generate_series(0, $1 - 1) AS i, `+pgtest.AsHandoff, n)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -39,11 +41,15 @@ func idleKeys(t *testing.T, ctx context.Context, s *pgtest.Schema, n int, waitin
 	if !waiting {
 		return ids
 	}
+	if _, err := s.Pool.Exec(ctx, `
+		INSERT INTO river_job (id, kind, args, queue, max_attempts, metadata)
+		SELECT nextval('river_job_id_seq'), 'order_step', '{}', 'q', 3, jsonb_build_object('outbox_ordering_key', 'k' || i, 'outbox_ordering_position', 2)
+		FROM generate_series(0, $1 - 1) AS i, `+pgtest.AsHandoff, n); err != nil {
+		t.Fatal(err)
+	}
 	rows, err := s.Pool.Query(ctx, `
-		INSERT INTO river_job (kind, args, queue, max_attempts, metadata)
-		SELECT 'order_step', '{}', 'q', 3, jsonb_build_object('outbox_ordering_key', 'k' || i, 'outbox_ordering_position', 2)
-		FROM generate_series(0, $1 - 1) AS i
-		RETURNING metadata->>'outbox_ordering_key', id, state::text`, n)
+		SELECT metadata->>'outbox_ordering_key', id, state, in_line FROM `+pgtest.Jobs+`
+		WHERE (metadata->>'outbox_ordering_position')::int = 2`)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -51,16 +57,23 @@ func idleKeys(t *testing.T, ctx context.Context, s *pgtest.Schema, n int, waitin
 	for rows.Next() {
 		var k, state string
 		var id int64
-		if err := rows.Scan(&k, &id, &state); err != nil {
+		var inLine bool
+		if err := rows.Scan(&k, &id, &state, &inLine); err != nil {
 			t.Fatal(err)
 		}
-		if state != "pending" {
-			t.Fatalf("the job behind idle key %s is %s, want pending", k, state)
+		if state != "pending" || !inLine {
+			t.Fatalf("the job behind idle key %s is %s (in the line: %t), want pending in the key's line", k, state, inLine)
 		}
 		ids[k] = id
 	}
 	if err := rows.Err(); err != nil {
 		t.Fatal(err)
+	}
+	if len(ids) != n {
+		t.Fatalf("%d jobs wait behind the idle keys, want %d", len(ids), n)
+	}
+	if got := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE (metadata->>'outbox_ordering_position')::int = 2`); got != 0 {
+		t.Fatalf("%d of the jobs behind the idle keys are in river_job, want none: they wait in the line", got)
 	}
 	return ids
 }
@@ -107,10 +120,11 @@ func TestIdleWakeGoesOnWhileBatchesAreFull(t *testing.T) {
 }
 
 // TestIdleWakePassesAKeyItCannotLock: a key whose waiting job another
-// session holds locked does not hold up the wake of the others: its wake
-// gives up after its lock timeout, the next key is woken, and the held key
-// is woken at a later check once the lock is gone. Keys with a job in
-// line are woken before idle keys with none.
+// session holds locked (its row in the key's line, where it waits) does
+// not hold up the wake of the others: its wake gives up after its lock
+// timeout, the next key is woken, and the held key is woken at a later
+// check once the lock is gone. Keys with a job in line are woken before
+// idle keys with none.
 func TestIdleWakePassesAKeyItCannotLock(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 6})
@@ -121,11 +135,13 @@ func TestIdleWakePassesAKeyItCannotLock(t *testing.T) {
 	if _, err := s.Pool.Exec(ctx, `UPDATE outbox_ordering_key SET idle_since = idle_since - interval '1 hour' WHERE ordering_key = 'k0'`); err != nil {
 		t.Fatal(err)
 	}
+	// Its waiting job is its row in the line: deleting the row leaves
+	// nothing in line.
 	if _, err := s.Pool.Exec(ctx, `DELETE FROM outbox_ordering_wait WHERE ordering_key = 'k0'`); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := s.Pool.Exec(ctx, `UPDATE river_job SET state = 'completed', finalized_at = now() WHERE id = $1`, ids["k0"]); err != nil {
-		t.Fatal(err)
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM `+pgtest.Jobs+` WHERE id = $1`, ids["k0"]); n != 0 {
+		t.Fatal("k0's waiting job is still there after its line row was deleted")
 	}
 
 	var order []string
@@ -152,7 +168,10 @@ func TestIdleWakePassesAKeyItCannotLock(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { _ = hold.Rollback(context.Background()) }()
-	if _, err := hold.Exec(ctx, `SELECT 1 FROM river_job WHERE id = $1 FOR UPDATE`, ids["k1"]); err != nil {
+	if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_wait WHERE job_id = $1`, ids["k1"]); n != 1 {
+		t.Fatalf("%d line rows for k1's waiting job, want 1", n)
+	}
+	if _, err := hold.Exec(ctx, `SELECT 1 FROM outbox_ordering_wait WHERE job_id = $1 FOR UPDATE`, ids["k1"]); err != nil {
 		t.Fatal(err)
 	}
 	// The wake of the held key gives up at its lock timeout, well before

@@ -236,8 +236,8 @@ var (
 
 	descOrderingKeys      = prometheus.NewDesc("outbox_ordering_keys", "Ordering keys (tenant, key, queue) with an unfinished ordered River job, parked or not.", nil, nil)
 	descParkedKeys        = prometheus.NewDesc("outbox_ordering_parked_keys", "Parked ordering keys, by the state of the head job that parked them (discarded, cancelled, deleted): their later jobs wait for outboxctl unpark.", []string{"state"}, nil)
-	descWaitingJobs       = prometheus.NewDesc("outbox_ordering_waiting_jobs", "Ordered River jobs held pending behind their key's head job.", nil, nil)
-	descParkedWaitingJobs = prometheus.NewDesc("outbox_ordering_parked_waiting_jobs", "Ordered River jobs held pending behind a parked key.", nil, nil)
+	descWaitingJobs       = prometheus.NewDesc("outbox_ordering_waiting_jobs", "Ordered jobs waiting in their key's line behind its head job.", nil, nil)
+	descParkedWaitingJobs = prometheus.NewDesc("outbox_ordering_parked_waiting_jobs", "Ordered jobs waiting in the line of a parked key.", nil, nil)
 	descOldestWait        = prometheus.NewDesc("outbox_ordering_oldest_wait_seconds", "How long the longest-waiting ordered job has waited behind its key (0 when none waits).", nil, nil)
 	descParkedOldestWait  = prometheus.NewDesc("outbox_ordering_parked_oldest_wait_seconds", "How long the first job in line behind a parked key has waited, the longest among parked keys (0 when none waits).", nil, nil)
 	descOldestParkedAge   = prometheus.NewDesc("outbox_ordering_oldest_parked_age_seconds", "How long the key parked longest ago has been parked (0 when none is).", nil, nil)

@@ -21,7 +21,7 @@ type Ordering struct {
 	ParkedDiscarded int64 `json:"parked_discarded"`
 	ParkedCancelled int64 `json:"parked_cancelled"`
 	ParkedDeleted   int64 `json:"parked_deleted"`
-	// Waiting is the number of ordered jobs held pending behind their key's
+	// Waiting is the number of ordered jobs that wait behind their key's
 	// head (the rows of outbox_ordering_wait); WaitingParked, how many of
 	// them wait behind a parked key.
 	Waiting       int64 `json:"waiting"`

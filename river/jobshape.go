@@ -40,9 +40,10 @@ const (
 	MetadataArgs = "outbox_args"
 	// MetadataOrderingKey is the event's ordering key, a string; absent
 	// when the event has none. A job that carries it is an ordered job:
-	// the triggers of migration 011 hold it in River's pending state until
-	// the job before it in its (tenant, key, queue) is finalized (see
-	// docs/ordering.md).
+	// the ordering triggers hold it back until the job before it in its
+	// (tenant, key, queue) is finalized: in its key's line when the
+	// handoff inserts it (migration 024), in River's pending state when
+	// other code does (see docs/ordering.md).
 	MetadataOrderingKey = "outbox_ordering_key"
 	// MetadataOrderingPosition is the event's position in its key's order,
 	// a JSON number; present with MetadataOrderingKey.

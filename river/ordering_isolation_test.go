@@ -28,23 +28,44 @@ func TestOrderedCompletionAtRepeatableRead(t *testing.T) {
 			release := p.holdSeq(t, "k", "", 1)
 			probeClient(t, workers, p, "ord")
 
-			// The head, inserted as a handoff inserts it (the enqueue
-			// trigger makes it the key's head).
-			insert := `INSERT INTO river_job (kind, args, queue, max_attempts, metadata)
-				VALUES ('order_probe', jsonb_build_object('key', 'k', 'seq', $1::int), 'ord', 3,
-				        jsonb_build_object('outbox_ordering_key', 'k', 'outbox_ordering_position', $1::bigint))
-				RETURNING state::text`
-			var state string
-			if err := s.Pool.QueryRow(ctx, insert, 1).Scan(&state); err != nil || state != "available" {
-				t.Fatalf("head inserted as %q (%v), want available", state, err)
+			// The jobs, inserted as a handoff inserts them: with the id it
+			// takes from River's sequence first. The enqueue trigger makes
+			// the first the key's head and queues the next in the key's
+			// line, where it waits with no River row (migration 024).
+			insert := `WITH ins AS (
+				INSERT INTO river_job (id, kind, args, queue, max_attempts, metadata)
+				SELECT $1, 'order_probe', jsonb_build_object('key', 'k', 'seq', $2::int), 'ord', 3,
+				       jsonb_build_object('outbox_ordering_key', 'k', 'outbox_ordering_position', $2::bigint)
+				FROM ` + pgtest.AsHandoff + `
+				RETURNING id)
+				SELECT count(*) FROM ins`
+			state := `SELECT state, in_line FROM ` + pgtest.Jobs + ` WHERE id = $1`
+			var headID, nextID int64
+			if err := s.Pool.QueryRow(ctx, `SELECT nextval('river_job_id_seq')`).Scan(&headID); err != nil {
+				t.Fatal(err)
+			}
+			var inserted int
+			var got string
+			var inLine bool
+			if err := s.Pool.QueryRow(ctx, insert, headID, 1).Scan(&inserted); err != nil || inserted != 1 {
+				t.Fatalf("head inserted into river_job %d times (%v), want once", inserted, err)
+			}
+			if err := s.Pool.QueryRow(ctx, state, headID).Scan(&got, &inLine); err != nil || got != "available" || inLine {
+				t.Fatalf("head is %q, in the line %v (%v), want available", got, inLine, err)
 			}
 			pgtest.WaitFor(t, 30*time.Second, "the head runs", func() bool { return len(p.started("ord/k")) == 1 })
 
 			// A handoff (at READ COMMITTED, as the dispatcher's) queues the
 			// next job behind the running head and stays open.
 			handoff, handoffPID := pgtest.OpenTx(t, ctx, s.Pool)
-			if err := handoff.QueryRow(ctx, insert, 2).Scan(&state); err != nil || state != "pending" {
-				t.Fatalf("second job inserted as %q (%v), want pending", state, err)
+			if err := handoff.QueryRow(ctx, `SELECT nextval('river_job_id_seq')`).Scan(&nextID); err != nil {
+				t.Fatal(err)
+			}
+			if err := handoff.QueryRow(ctx, insert, nextID, 2).Scan(&inserted); err != nil || inserted != 0 {
+				t.Fatalf("second job inserted into river_job %d times (%v), want it in the line", inserted, err)
+			}
+			if err := handoff.QueryRow(ctx, state, nextID).Scan(&got, &inLine); err != nil || got != "pending" || !inLine {
+				t.Fatalf("second job is %q, in the line %v (%v), want pending in the line", got, inLine, err)
 			}
 
 			// The head ends; its completion finds the line empty and waits
@@ -61,6 +82,10 @@ func TestOrderedCompletionAtRepeatableRead(t *testing.T) {
 			pgtest.WaitFor(t, 30*time.Second, "the key's row goes once its line is empty", func() bool {
 				return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_key`) == 0
 			})
+			// The queued job ran as the River row of the id it was given.
+			if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1 AND state = 'completed' AND (args->>'seq')::int = 2`, nextID); n != 1 {
+				t.Fatalf("%d completed River rows of job %d with seq 2, want 1", n, nextID)
+			}
 		})
 	}
 }

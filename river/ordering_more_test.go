@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/rivertype"
 
 	"github.com/outboxhq/outbox"
 	"github.com/outboxhq/outbox/internal/pgtest"
@@ -195,19 +196,23 @@ func publishSeqs(t *testing.T, pool *pgxpool.Pool, typ, key string, ordered bool
 	pgtest.Publish(t, pool, events...)
 }
 
-// probeJob is the River job of one probe event.
+// probeJob is the River job of one probe event. A job that waits in its
+// key's line (migration 024) is not in river_job: it reads state pending
+// and inLine true.
 type probeJob struct {
 	id, event int64
 	state     string
+	inLine    bool
 }
 
-// jobOf returns the job of queue, key and seq (id 0 when there is none).
+// jobOf returns the job of queue, key and seq (id 0 when there is none),
+// whether it is in river_job or waits in its key's line.
 func jobOf(t *testing.T, pool *pgxpool.Pool, queue, key string, seq int) probeJob {
 	t.Helper()
 	var j probeJob
 	err := pool.QueryRow(context.Background(), `
-		SELECT id, (metadata->>'outbox_event_id')::bigint, state::text FROM river_job
-		WHERE queue = $1 AND args->>'key' = $2 AND (args->>'seq')::int = $3`, queue, key, seq).Scan(&j.id, &j.event, &j.state)
+		SELECT id, (metadata->>'outbox_event_id')::bigint, state, in_line FROM `+pgtest.Jobs+`
+		WHERE queue = $1 AND args->>'key' = $2 AND (args->>'seq')::int = $3`, queue, key, seq).Scan(&j.id, &j.event, &j.state, &j.inLine)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return probeJob{}
 	}
@@ -217,14 +222,93 @@ func jobOf(t *testing.T, pool *pgxpool.Pool, queue, key string, seq int) probeJo
 	return j
 }
 
-// wantStates checks the River states of the jobs of queue and key by seq.
+// wantStates checks the states of the jobs of queue and key by seq. The
+// state waiting is a job that waits in its key's line and has no river_job
+// row (migration 024); pending is a pending river_job row, as a job queued
+// before 024 waits; any other state is its river_job row's.
 func wantStates(t *testing.T, pool *pgxpool.Pool, queue, key string, want map[int]string) {
 	t.Helper()
 	for seq, state := range want {
-		if j := jobOf(t, pool, queue, key, seq); j.state != state {
-			t.Errorf("%s/%s seq %d: job %d is %q, want %q", queue, key, seq, j.id, j.state, state)
+		j := jobOf(t, pool, queue, key, seq)
+		got := j.state
+		if j.inLine {
+			got = "waiting"
+		}
+		if got != state {
+			t.Errorf("%s/%s seq %d: job %d is %q, want %q", queue, key, seq, j.id, got, state)
 		}
 	}
+}
+
+// inRiver returns how many of ids have a river_job row.
+func inRiver(t *testing.T, pool *pgxpool.Pool, ids ...int64) int {
+	t.Helper()
+	return pgtest.Count(t, pool, `SELECT count(*) FROM river_job WHERE id = ANY($1)`, ids)
+}
+
+// queueAsBefore024 turns the jobs of key in queue that wait in its line
+// into pending river_job rows, with their ids, columns and places in line,
+// as a handoff before migration 024 queued them (and as other code that
+// inserts ordered jobs not shaped as the handoff's still does): the legacy
+// path. The enqueue trigger puts each back in the line, by its position,
+// as a pending row. The key's row is locked meanwhile, so no release runs.
+// It returns how many jobs it moved.
+func queueAsBefore024(t *testing.T, pool *pgxpool.Pool, queue, key string) int {
+	t.Helper()
+	ctx := context.Background()
+	var n int
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `
+			SELECT 1 FROM outbox_ordering_key WHERE tenant_id = '' AND ordering_key = $1 AND queue = $2
+			FOR NO KEY UPDATE`, key, queue); err != nil {
+			return err
+		}
+		rows, err := tx.Query(ctx, `
+			DELETE FROM outbox_ordering_wait WHERE tenant_id = '' AND ordering_key = $1 AND queue = $2 AND kind IS NOT NULL
+			RETURNING job_id, args, created_at, kind, max_attempts, metadata, priority, tags`, key, queue)
+		if err != nil {
+			return err
+		}
+		type waiting struct {
+			id                 int64
+			args, metadata     []byte
+			created            time.Time
+			kind               string
+			attempts, priority int16
+			tags               []string
+		}
+		jobs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (waiting, error) {
+			var w waiting
+			err := r.Scan(&w.id, &w.args, &w.created, &w.kind, &w.attempts, &w.metadata, &w.priority, &w.tags)
+			return w, err
+		})
+		if err != nil {
+			return err
+		}
+		for _, w := range jobs {
+			var state string
+			if err := tx.QueryRow(ctx, `
+				INSERT INTO river_job (id, args, created_at, kind, max_attempts, metadata, priority, queue, state, tags)
+				VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'pending', $9)
+				RETURNING state::text`,
+				w.id, w.args, w.created, w.kind, w.attempts, w.metadata, w.priority, queue, w.tags).Scan(&state); err != nil {
+				return err
+			}
+			if state != "pending" {
+				return fmt.Errorf("job %d inserted as %s, want pending", w.id, state)
+			}
+		}
+		n = len(jobs)
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w := pgtest.Count(t, pool, `
+		SELECT count(*) FROM outbox_ordering_wait WHERE tenant_id = '' AND ordering_key = $1 AND queue = $2 AND kind IS NULL`, key, queue); w != n {
+		t.Fatalf("%s/%s: %d legacy rows in line after moving %d jobs", queue, key, w, n)
+	}
+	return n
 }
 
 // keyRow is a row of outbox_ordering_key.
@@ -306,8 +390,8 @@ func TestUnorderedWorkloadOverlaps(t *testing.T) {
 // TestFanOutOrdersEachQueueApart: events of a key routed to two queues are
 // ordered in each queue on its own: while the slow queue's first job of
 // the key is held, the fast queue works all of its jobs of the key in
-// order, and the slow queue's later jobs stay pending; once released, they
-// run in order too.
+// order, and the slow queue's later jobs wait in its line, not in River;
+// once released, they enter River with their ids and run in order too.
 func TestFanOutOrdersEachQueueApart(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
@@ -328,12 +412,23 @@ func TestFanOutOrdersEachQueueApart(t *testing.T) {
 	if got := p.started("fan_slow/k"); !slices.Equal(got, []int{0}) {
 		t.Errorf("slow queue while its head is held: started %v, want [0]", got)
 	}
-	wantStates(t, s.Pool, "fan_slow", "k", map[int]string{0: "running", 1: "pending", 2: "pending", 3: "pending", 4: "pending"})
+	wantStates(t, s.Pool, "fan_slow", "k", map[int]string{0: "running", 1: "waiting", 2: "waiting", 3: "waiting", 4: "waiting"})
+	var waiting []int64
+	for seq := 1; seq < n; seq++ {
+		waiting = append(waiting, jobOf(t, s.Pool, "fan_slow", "k", seq).id)
+	}
+	if got := inRiver(t, s.Pool, waiting...); got != 0 {
+		t.Errorf("%d of the slow queue's waiting jobs %v have a river_job row, want none", got, waiting)
+	}
 
 	release()
 	pgtest.WaitFor(t, 60*time.Second, "the slow queue's jobs of the key", func() bool { return len(p.ended("fan_slow/k")) == n })
 	if got := p.started("fan_slow/k"); !slices.Equal(got, upTo(n)) || p.most("fan_slow/k") != 1 {
 		t.Errorf("slow queue: started %v with %d at once, want %v one at a time", got, p.most("fan_slow/k"), upTo(n))
+	}
+	// The released jobs entered River with the ids they waited with.
+	if got := pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = ANY($1) AND state = 'completed'`, waiting); got != n-1 {
+		t.Errorf("%d of the slow queue's released jobs %v completed in river_job, want %d", got, waiting, n-1)
 	}
 	pgtest.WaitFor(t, 30*time.Second, "both queues' key rows gone", func() bool {
 		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_key`) == 0
@@ -342,11 +437,12 @@ func TestFanOutOrdersEachQueueApart(t *testing.T) {
 
 // TestParkedKeys works keys whose jobs fail, in one schema with one River
 // client, and checks the failure policy: a discarded or cancelled head
-// parks its key, later jobs stay pending and nothing is lost; outbox_unpark
+// parks its key, later jobs wait in its line and nothing is lost; outbox_unpark
 // retry runs the head again and then the rest in order, skip leaves it and
 // runs the rest; River's own JobRetry of a parked head unparks it; a
 // retrying job holds its key; a waiting job cancelled by hand parks the key
-// when its turn comes; and unordered events and other keys in the same
+// when its turn comes (the legacy path: River cannot cancel a job that
+// waits in its line); and unordered events and other keys in the same
 // queue are not held back by a parked key.
 func TestParkedKeys(t *testing.T) {
 	t.Parallel()
@@ -371,7 +467,7 @@ func TestParkedKeys(t *testing.T) {
 	}
 	// parkAt publishes seqs 0..3 of key (park.: one attempt), waits until
 	// seq 1's job is in state, and checks that the key is parked on it with
-	// seqs 2 and 3 pending behind it.
+	// seqs 2 and 3 waiting in line behind it, not in River.
 	parkAt := func(t *testing.T, key, state string) {
 		t.Helper()
 		publishSeqs(t, s.Pool, "park.item.changed", key, true, 0, 1, 2, 3)
@@ -379,7 +475,7 @@ func TestParkedKeys(t *testing.T) {
 		pgtest.WaitFor(t, 30*time.Second, key+" jobs of seq 2 and 3", func() bool {
 			return jobOf(t, s.Pool, "ord", key, 3).id != 0
 		})
-		wantStates(t, s.Pool, "ord", key, map[int]string{0: "completed", 1: state, 2: "pending", 3: "pending"})
+		wantStates(t, s.Pool, "ord", key, map[int]string{0: "completed", 1: state, 2: "waiting", 3: "waiting"})
 		head := jobOf(t, s.Pool, "ord", key, 1)
 		if k := keyOf(t, s.Pool, "ord", key); k.parkedState != state || k.headJob != head.id || k.headEvent != head.event || k.waiting != 2 {
 			t.Fatalf("%s: key row %+v, want parked %s on job %d (event %d) with 2 waiting", key, k, state, head.id, head.event)
@@ -471,7 +567,7 @@ func TestParkedKeys(t *testing.T) {
 		if k := keyOf(t, s.Pool, "ord", "riverretry"); k.parkedState != "" || k.headJob != head.id {
 			t.Errorf("key row while River's retry of the head runs: %+v, want unparked on job %d", k, head.id)
 		}
-		wantStates(t, s.Pool, "ord", "riverretry", map[int]string{2: "pending", 3: "pending"})
+		wantStates(t, s.Pool, "ord", "riverretry", map[int]string{2: "waiting", 3: "waiting"})
 		release()
 		drained(t, "riverretry", []int{0, 1, 2, 3})
 		if got := p.started("ord/riverretry"); !slices.Equal(got, []int{0, 1, 1, 2, 3}) {
@@ -501,7 +597,7 @@ func TestParkedKeys(t *testing.T) {
 		pgtest.WaitFor(t, 60*time.Second, "the second attempt of seq 1", func() bool {
 			return slices.Equal(p.started("ord/retrying"), []int{0, 1, 1})
 		})
-		wantStates(t, s.Pool, "ord", "retrying", map[int]string{0: "completed", 1: "running", 2: "pending"})
+		wantStates(t, s.Pool, "ord", "retrying", map[int]string{0: "completed", 1: "running", 2: "waiting"})
 		if k := keyOf(t, s.Pool, "ord", "retrying"); k.parkedState != "" || k.headJob != jobOf(t, s.Pool, "ord", "retrying", 1).id {
 			t.Errorf("key row while seq 1 retries: %+v", k)
 		}
@@ -512,12 +608,24 @@ func TestParkedKeys(t *testing.T) {
 		}
 	})
 
+	// A job that waits in its line (migration 024) is not in River: River
+	// cannot cancel it. This is the legacy path, a waiting job queued as a
+	// pending river_job row before 024 (or inserted so by other code).
 	t.Run("a waiting job cancelled by hand parks the key at its turn", func(t *testing.T) {
 		release := p.holdSeq(t, "byhand", "", 0)
 		publishSeqs(t, s.Pool, "order.item.changed", "byhand", true, 0, 1, 2)
 		pgtest.WaitFor(t, 60*time.Second, "seq 0 running and seq 2 queued", func() bool {
 			return jobOf(t, s.Pool, "ord", "byhand", 0).state == "running" && jobOf(t, s.Pool, "ord", "byhand", 2).id != 0
 		})
+		waiting := jobOf(t, s.Pool, "ord", "byhand", 1)
+		if _, err := client.JobCancel(ctx, waiting.id); !errors.Is(err, rivertype.ErrNotFound) {
+			t.Fatalf("River's cancel of job %d waiting in line: %v, want %v", waiting.id, err, rivertype.ErrNotFound)
+		}
+		wantStates(t, s.Pool, "ord", "byhand", map[int]string{1: "waiting", 2: "waiting"})
+		if n := queueAsBefore024(t, s.Pool, "ord", "byhand"); n != 2 {
+			t.Fatalf("moved %d waiting jobs to River, want 2", n)
+		}
+		wantStates(t, s.Pool, "ord", "byhand", map[int]string{0: "running", 1: "pending", 2: "pending"})
 		cancelled := jobOf(t, s.Pool, "ord", "byhand", 1)
 		if _, err := client.JobCancel(ctx, cancelled.id); err != nil {
 			t.Fatal(err)
@@ -543,7 +651,7 @@ func TestParkedKeys(t *testing.T) {
 		t.Errorf("%d events not handed off", n)
 	}
 	pgtest.WaitFor(t, 30*time.Second, "every job finalized", func() bool {
-		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE state NOT IN ('completed', 'discarded', 'cancelled')`) == 0
+		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM `+pgtest.Jobs+` WHERE state NOT IN ('completed', 'discarded', 'cancelled')`) == 0
 	})
 }
 
@@ -593,9 +701,11 @@ func (p *probe) NextRetry(job *river.Job[probeArgs]) time.Time {
 
 // TestRiverActionsKeepTheOrder: what an operator does to ordered jobs with
 // River's own tools (River UI, the client's JobRetry and JobCancel) keeps
-// the order. River's retry of a waiting (pending) job, or of a waiting job
-// cancelled by hand, does not let it overtake the head: it waits for its
-// turn; and a head cancelled by River and retried through
+// the order. A job that waits in its key's line (migration 024) is not in
+// River, so River can neither retry nor cancel it; a waiting job queued as
+// a pending river_job row (before 024, or by other code) can be, and
+// River's retry of it, or of it cancelled by hand, does not let it
+// overtake the head: it waits for its turn; and a head cancelled by River and retried through
 // outbox_unpark is retried again when that attempt fails, as any job,
 // instead of being cancelled by River's leftover cancel mark; a head
 // deleted in River (River UI's delete of a retryable job) parks its key as
@@ -614,6 +724,20 @@ func TestRiverActionsKeepTheOrder(t *testing.T) {
 		pgtest.WaitFor(t, 60*time.Second, "seq 0 running and seq 2 queued", func() bool {
 			return jobOf(t, s.Pool, "ord", "jump", 0).state == "running" && jobOf(t, s.Pool, "ord", "jump", 2).id != 0
 		})
+		// Waiting in line, seqs 1 and 2 are not River's to cancel or retry.
+		if _, err := client.JobCancel(ctx, jobOf(t, s.Pool, "ord", "jump", 1).id); !errors.Is(err, rivertype.ErrNotFound) {
+			t.Fatalf("River's cancel of seq 1 waiting in line: %v, want %v", err, rivertype.ErrNotFound)
+		}
+		for _, seq := range []int{1, 2} {
+			if _, err := client.JobRetry(ctx, jobOf(t, s.Pool, "ord", "jump", seq).id); !errors.Is(err, rivertype.ErrNotFound) {
+				t.Fatalf("River's retry of seq %d waiting in line: %v, want %v", seq, err, rivertype.ErrNotFound)
+			}
+		}
+		wantStates(t, s.Pool, "ord", "jump", map[int]string{0: "running", 1: "waiting", 2: "waiting"})
+		// The legacy path: seqs 1 and 2 wait as pending river_job rows.
+		if n := queueAsBefore024(t, s.Pool, "ord", "jump"); n != 2 {
+			t.Fatalf("moved %d waiting jobs to River, want 2", n)
+		}
 		// Seq 1 is cancelled by hand and then retried: it takes its turn
 		// again. Seq 2 is retried while it waits: it keeps its turn.
 		if _, err := client.JobCancel(ctx, jobOf(t, s.Pool, "ord", "jump", 1).id); err != nil {

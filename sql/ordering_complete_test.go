@@ -17,9 +17,14 @@ import (
 // released), an empty line (the key's row goes), a first job cancelled by
 // hand (the key parks on it), a first job completed by hand (it is skipped
 // and the one behind it released), a job that is not running (left alone)
-// and a job without a key (completed). It sends River's insert
-// notification once, commits without waiting for the WAL flush, and
-// leaves the triggers working for the rest of its transaction.
+// and a job without a key (completed). The jobs in line wait in it, not in
+// river_job, and enter River when released (migration 024); the two
+// changed by hand are River rows queued the legacy way, pending in
+// river_job (as rows queued before 024 are), the only waiting jobs River's
+// actions reach, and lines that mix both kinds are released in order. It
+// sends River's insert notification once, commits without waiting for the
+// WAL flush, and leaves the triggers working for the rest of its
+// transaction.
 func TestOrderedCompletionReleasesAGroup(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
@@ -31,10 +36,10 @@ func TestOrderedCompletionReleasesAGroup(t *testing.T) {
 	a3 := orderedJob(t, ctx, s.Pool, "a", 3, "pending")
 	b1 := orderedJob(t, ctx, s.Pool, "b", 4, "available")
 	c1 := orderedJob(t, ctx, s.Pool, "c", 5, "available")
-	c2 := orderedJob(t, ctx, s.Pool, "c", 6, "pending")
+	c2 := legacyJob(t, ctx, s.Pool, "c", 6)
 	c3 := orderedJob(t, ctx, s.Pool, "c", 7, "pending")
 	d1 := orderedJob(t, ctx, s.Pool, "d", 8, "available")
-	d2 := orderedJob(t, ctx, s.Pool, "d", 9, "pending")
+	d2 := legacyJob(t, ctx, s.Pool, "d", 9)
 	d3 := orderedJob(t, ctx, s.Pool, "d", 10, "pending")
 	e1 := orderedJob(t, ctx, s.Pool, "e", 11, "available")
 	var plain int64
@@ -135,11 +140,17 @@ func TestOrderingReleaseSetByHandDisablesNothing(t *testing.T) {
 	ctx := pgtest.Context(t, 60*time.Second)
 
 	head := orderedJob(t, ctx, s.Pool, "k", 1, "available")
-	next := orderedJob(t, ctx, s.Pool, "k", 2, "pending")
+	// The legacy way of waiting (a pending River row, as rows queued
+	// before migration 024 wait): the only one River UI's retry reaches.
+	next := legacyJob(t, ctx, s.Pool, "k", 2)
+	var last int64
 	err := pgx.BeginFunc(ctx, s.Pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `SELECT set_config('outbox.ordering_release', 'on', true)`); err != nil {
 			return err
 		}
+		// A handoff's job still queues in the line (the enqueue trigger
+		// runs).
+		last = orderedJob(t, ctx, tx, "k", 3, "pending")
 		if _, err := tx.Exec(ctx, `UPDATE river_job SET state = 'running', attempt = 1, attempted_at = now() WHERE id = $1`, head); err != nil {
 			return err
 		}
@@ -166,5 +177,14 @@ func TestOrderingReleaseSetByHandDisablesNothing(t *testing.T) {
 	}
 	if got := keyHead(t, ctx, s.Pool, "k"); got != next {
 		t.Fatalf("the key's head is job %d, want %d", got, next)
+	}
+	if got := jobState(t, ctx, s.Pool, last); got != "pending" {
+		t.Fatalf("the last job is %s while the next one is its key's head, want pending", got)
+	}
+	if err := completeJob(ctx, s.Pool, "river", next, 3*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if got := jobState(t, ctx, s.Pool, last); got != "available" {
+		t.Fatalf("the last job is %s after its predecessor completed, want available", got)
 	}
 }

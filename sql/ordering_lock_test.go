@@ -13,27 +13,91 @@ import (
 	"github.com/outboxhq/outbox/internal/pgtest"
 )
 
-// orderedJob inserts an ordered River job of key k at position pos, as a
-// handoff does (the enqueue trigger makes it the head or queues it), with
-// q (a pool, or a transaction left open), checks that it is in state want
-// (available: the head; pending: queued) and returns its id.
-func orderedJob(t *testing.T, ctx context.Context, q interface {
+// queryRower is a pool, or a transaction.
+type queryRower interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
-}, k string, pos int64, want string) int64 {
+}
+
+// orderedJob inserts an ordered River job of key k at position pos, as a
+// handoff does (with its id taken from River's sequence first; the enqueue
+// trigger makes it the head or queues it in the key's line), with q (a
+// pool, or a transaction left open), checks that it is in state want
+// (available: the head, a River row; pending: queued, waiting in the line
+// with no River row, migration 024) and returns its id.
+func orderedJob(t *testing.T, ctx context.Context, q queryRower, k string, pos int64, want string) int64 {
+	t.Helper()
+	var id int64
+	if err := q.QueryRow(ctx, `SELECT nextval('river_job_id_seq')`).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	var inserted int
+	err := q.QueryRow(ctx, `
+		WITH ins AS (
+			INSERT INTO river_job (id, kind, args, queue, max_attempts, metadata)
+			SELECT $1, 'order_step', '{}', 'orders', 3, jsonb_build_object('outbox_ordering_key', $2::text, 'outbox_ordering_position', $3::bigint)
+			FROM `+pgtest.AsHandoff+`
+			RETURNING id)
+		SELECT count(*) FROM ins`, id, k, pos).Scan(&inserted)
+	if err != nil {
+		t.Fatalf("insert job of %q at %d: %v", k, pos, err)
+	}
+	state, inLine := jobRow(t, ctx, q, id)
+	if state != want {
+		t.Fatalf("job of %q at %d is %s, want %s", k, pos, state, want)
+	}
+	if inLine != (want == "pending") || (inserted == 1) == inLine {
+		t.Fatalf("job of %q at %d (%s): inserted into river_job %d, in the line %v; a queued job waits in the line, not in river_job", k, pos, state, inserted, inLine)
+	}
+	return id
+}
+
+// legacyJob inserts an ordered job of key k at position pos that must wait
+// behind its key's head but is not shaped as the handoff's (inserted
+// scheduled by other code): it waits the way every
+// job waited before migration 024, and rows queued before 024 still do,
+// as a pending River row with a line row without its columns (kind NULL).
+// River's actions (retry, cancel, completion by hand) reach only such a
+// waiting job. It checks that and returns its id.
+func legacyJob(t *testing.T, ctx context.Context, q queryRower, k string, pos int64) int64 {
 	t.Helper()
 	var id int64
 	var state string
 	err := q.QueryRow(ctx, `
-		INSERT INTO river_job (kind, args, queue, max_attempts, metadata)
-		VALUES ('order_step', '{}', 'orders', 3, jsonb_build_object('outbox_ordering_key', $1::text, 'outbox_ordering_position', $2::bigint))
+		INSERT INTO river_job (kind, args, queue, max_attempts, state, metadata)
+		VALUES ('order_step', '{}', 'orders', 3, 'scheduled', jsonb_build_object('outbox_ordering_key', $1::text, 'outbox_ordering_position', $2::bigint))
 		RETURNING id, state::text`, k, pos).Scan(&id, &state)
 	if err != nil {
-		t.Fatalf("insert job of %q at %d: %v", k, pos, err)
+		t.Fatalf("insert legacy job of %q at %d: %v", k, pos, err)
 	}
-	if state != want {
-		t.Fatalf("job of %q at %d is %s, want %s", k, pos, state, want)
+	var lined int
+	if err := q.QueryRow(ctx, `SELECT count(*) FROM outbox_ordering_wait WHERE job_id = $1 AND kind IS NULL`, id).Scan(&lined); err != nil {
+		t.Fatal(err)
+	}
+	if state != "pending" || lined != 1 {
+		t.Fatalf("legacy job of %q at %d is %s in river_job with %d line rows without columns, want pending with 1", k, pos, state, lined)
+	}
+	if got, inLine := jobRow(t, ctx, q, id); got != "pending" || inLine {
+		t.Fatalf("legacy job of %q at %d reads %s, in the line %v; want pending in river_job", k, pos, got, inLine)
 	}
 	return id
+}
+
+// jobRow reads job id's state, whether it waits in its key's line or is a
+// River row (pgtest.Jobs), and whether it waits in the line; it fails
+// unless the job is exactly one of the two.
+func jobRow(t *testing.T, ctx context.Context, q queryRower, id int64) (state string, inLine bool) {
+	t.Helper()
+	var n int
+	err := q.QueryRow(ctx, `
+		SELECT count(*), coalesce(min(state), ''), coalesce(bool_or(in_line), false)
+		FROM `+pgtest.Jobs+` WHERE id = $1`, id).Scan(&n, &state, &inLine)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n != 1 {
+		t.Fatalf("job %d is %d times in river_job and the line, want once", id, n)
+	}
+	return state, inLine
 }
 
 // completers are the two ways an ordered job is completed: River's own
@@ -83,12 +147,11 @@ func completeJob(ctx context.Context, pool *pgxpool.Pool, completer string, id i
 	})
 }
 
+// jobState reads job id's state, whether it is a River row or waits in
+// its key's line (pending).
 func jobState(t *testing.T, ctx context.Context, pool *pgxpool.Pool, id int64) string {
 	t.Helper()
-	var state string
-	if err := pool.QueryRow(ctx, `SELECT state::text FROM river_job WHERE id = $1`, id).Scan(&state); err != nil {
-		t.Fatal(err)
-	}
+	state, _ := jobRow(t, ctx, pool, id)
 	return state
 }
 

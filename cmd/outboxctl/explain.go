@@ -131,6 +131,9 @@ func printExplain(w io.Writer, res *admin.Explanation) {
 			continue
 		}
 		fmt.Fprintf(w, "  job %d  queue %s  state %s  attempt %d/%d\n", j.ID, clean(j.Queue), clean(j.State), j.Attempt, j.MaxAttempts)
+		if j.InLine {
+			fmt.Fprintln(w, "      waits in its key's line, not in River yet: River inserts it with this id when its turn comes")
+		}
 		fmt.Fprintf(w, "      created %s  attempted %s  finalized %s\n", fmtTime(j.CreatedAt), fmtTime(j.AttemptedAt), fmtTime(j.FinalizedAt))
 		if j.State == "retryable" || j.State == "scheduled" {
 			fmt.Fprintf(w, "      next run %s\n", fmtTime(j.ScheduledAt))

@@ -21,13 +21,24 @@ func parkKey(t *testing.T, s *pgtest.Schema, tenant, key string, n int) (events,
 	return ordertest.ParkKey(t, s.Pool, tenant, key, n, "webhook 500\x1b[2J")
 }
 
+// jobStateOf is the state of a job, in River or waiting in its key's line
+// (pending there, not in river_job until its turn: pgtest.Jobs). A job
+// found in both, or in neither, fails the test.
 func jobStateOf(t *testing.T, s *pgtest.Schema, id int64) string {
 	t.Helper()
 	var st string
-	if err := s.Pool.QueryRow(context.Background(), `SELECT state::text FROM river_job WHERE id = $1`, id).Scan(&st); err != nil {
-		t.Fatal(err)
+	var n int
+	if err := s.Pool.QueryRow(context.Background(), `SELECT min(state), count(*) FROM `+pgtest.Jobs+` WHERE id = $1`, id).Scan(&st, &n); err != nil || n != 1 {
+		t.Fatalf("state of job %d: %v (%d rows)", id, err, n)
 	}
 	return st
+}
+
+// jobInLine tells whether a job waits in its key's line, not in river_job.
+func jobInLine(t *testing.T, s *pgtest.Schema, id int64) bool {
+	t.Helper()
+	return pgtest.Count(t, s.Pool, `SELECT count(*) FROM `+pgtest.Jobs+` WHERE id = $1 AND in_line`, id) == 1 &&
+		pgtest.Count(t, s.Pool, `SELECT count(*) FROM river_job WHERE id = $1`, id) == 0
 }
 
 // TestKeysAndUnparkCommands: keys lists a parked key (text and JSON);
@@ -81,15 +92,17 @@ func TestKeysAndUnparkCommands(t *testing.T) {
 	if code != 0 || json.Unmarshal([]byte(out), &dry) != nil || len(dry.Keys) != 1 || dry.AuditID != 0 || !dry.Request.DryRun {
 		t.Fatalf("unpark --dry-run: exit %d\n%s%s", code, out, errOut)
 	}
-	if st := jobStateOf(t, s, jobs[1]); st != "pending" || auditCount(t, s.Pool) != 0 {
-		t.Fatalf("the dry run changed something: next job %s, %d audit rows", st, auditCount(t, s.Pool))
+	if st, line := jobStateOf(t, s, jobs[1]), jobInLine(t, s, jobs[1]); st != "pending" || !line || auditCount(t, s.Pool) != 0 {
+		t.Fatalf("the dry run changed something: next job %s (in the line: %t), %d audit rows", st, line, auditCount(t, s.Pool))
 	}
 	code, out, errOut = octl(t, s, "unpark", "--key", "order-42", "--tenant", "acme", "--skip", "--actor", "alice", "--reason", "customer deleted")
 	if code != 0 || !strings.Contains(out, "the parked head skipped in 1 queue") || !strings.Contains(out, "recorded as audit #") || !strings.Contains(out, "by alice") {
 		t.Fatalf("unpark: exit %d\n%s%s", code, out, errOut)
 	}
-	if st := jobStateOf(t, s, jobs[1]); st != "available" || auditCount(t, s.Pool) != 1 {
-		t.Fatalf("after unpark: next job %s, %d audit rows; want available, 1", st, auditCount(t, s.Pool))
+	// The skip released the next job: River's row, with the id it had in
+	// the line.
+	if st, line := jobStateOf(t, s, jobs[1]), jobInLine(t, s, jobs[1]); st != "available" || line || auditCount(t, s.Pool) != 1 {
+		t.Fatalf("after unpark: next job %s (in the line: %t), %d audit rows; want available in River, 1", st, line, auditCount(t, s.Pool))
 	}
 	code, _, errOut = octl(t, s, "unpark", "--key", "order-42", "--tenant", "acme", "--retry")
 	if code != 1 || !strings.Contains(errOut, "is not parked") || !strings.Contains(errOut, "is available") {
@@ -146,8 +159,8 @@ func TestKeysEscapeControlCharacters(t *testing.T) {
 }
 
 // TestExplainShowsTheKeysOrder: explain prints the key and position, the
-// head a waiting job waits behind and that the key is parked; --json
-// carries the same.
+// head a waiting job waits behind, that the job waits in its key's line
+// (not in River yet) and that the key is parked; --json carries the same.
 func TestExplainShowsTheKeysOrder(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, nil)
@@ -159,19 +172,30 @@ func TestExplainShowsTheKeysOrder(t *testing.T) {
 	for _, want := range []string{
 		"ordering key  order-9  position ",
 		"outbox: handed off",
-		fmt.Sprintf("job %d pending: waits behind head job %d (event %d), which is discarded, with 1 other job(s) of the key ahead of it; the key is parked", jobs[2], jobs[0], events[0]),
+		fmt.Sprintf("job %d  queue outbox_order  state pending  attempt 0/", jobs[2]),
+		"      waits in its key's line, not in River yet: River inserts it with this id when its turn comes\n",
+		fmt.Sprintf("job %d pending: waits behind head job %d (event %d), which is discarded, with 1 other job(s) of the key ahead of it "+
+			"(in the key's line, not in River yet: River inserts it when its turn comes); the key is parked", jobs[2], jobs[0], events[0]),
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("explain lacks %q:\n%s", want, out)
 		}
 	}
 	code, out, _ = octl(t, s, "explain", fmt.Sprint(events[0]))
-	if code != 0 || !strings.Contains(out, "this job is the head of its key: the key's 2 later job(s) wait") {
+	if code != 0 || !strings.Contains(out, "this job is the head of its key: the key's 2 later job(s) wait") || strings.Contains(out, "not in River yet") {
 		t.Errorf("explain of the head:\n%s", out)
 	}
 	ex := ctlJSON[admin.Explanation](t, s, "explain", fmt.Sprint(events[2]))
-	if ex.Ordering == nil || ex.Ordering.Key != "order-9" || len(ex.Ordering.Queues) != 1 || !ex.Ordering.Queues[0].Parked || *ex.Ordering.Queues[0].HeadJobID != jobs[0] {
+	if ex.Ordering == nil || ex.Ordering.Key != "order-9" || len(ex.Ordering.Queues) != 1 || !ex.Ordering.Queues[0].Parked || *ex.Ordering.Queues[0].HeadJobID != jobs[0] ||
+		!ex.Ordering.Queues[0].InLine || ex.Ordering.Queues[0].JobState != "pending" {
 		t.Fatalf("explain --json ordering = %+v", ex.Ordering)
+	}
+	if len(ex.Jobs) != 1 || ex.Jobs[0].ID != jobs[2] || !ex.Jobs[0].InLine || ex.Jobs[0].State != "pending" {
+		t.Fatalf("explain --json jobs = %+v, want job %d pending in the key's line", ex.Jobs, jobs[2])
+	}
+	code, out, _ = octl(t, s, "explain", fmt.Sprint(events[2]), "--json")
+	if code != 0 || strings.Count(out, `"in_line": true`) != 2 {
+		t.Fatalf("explain --json lacks in_line true:\n%s", out)
 	}
 
 	// In the outbox: the later event waits for the failed one.

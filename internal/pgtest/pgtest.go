@@ -410,3 +410,28 @@ func WaitingFor(tb testing.TB, pool *pgxpool.Pool, pid int) bool {
 	return Count(tb, pool, `SELECT count(*) FROM pg_locks l JOIN pg_locks h ON h.transactionid = l.transactionid
 		WHERE NOT l.granted AND l.locktype = 'transactionid' AND h.granted AND h.pid = $1`, pid) > 0
 }
+
+// Jobs is a FROM item that reads River's jobs and the ordered jobs waiting
+// in their key's line (outbox_ordering_wait, migration 024), which are not
+// in river_job until their turn, as one relation named river_job with the
+// columns id, state, queue, kind, args, metadata, attempt, max_attempts,
+// finalized_at and in_line. A waiting job reads state pending and in_line
+// true, as it read in river_job before 024. Tests that look at a job's
+// state whether it waits or runs read it in place of river_job:
+//
+//	SELECT state FROM `+pgtest.Jobs+` WHERE id = $1
+const Jobs = `(SELECT id, state::text AS state, queue, kind, args, metadata, attempt, max_attempts, finalized_at, false AS in_line
+  FROM river_job
+  UNION ALL
+  SELECT job_id, 'pending', queue, kind, args, metadata, 0::smallint, max_attempts, NULL::timestamptz, true
+  FROM outbox_ordering_wait WHERE kind IS NOT NULL) AS river_job`
+
+// AsHandoff is a FROM item that makes an INSERT into river_job insert as
+// the dispatcher's handoff does (migration 024): it sets
+// outbox.ordering_line to the transaction's id before the first row is
+// inserted, so that an ordered job that must wait goes into its key's
+// line, not into river_job. Other inserts of ordered jobs wait as pending
+// River rows.
+//
+//	INSERT INTO river_job (...) SELECT ... FROM `+pgtest.AsHandoff
+const AsHandoff = `(SELECT set_config('outbox.ordering_line', txid_current()::text, true)) AS handoff`
