@@ -163,7 +163,10 @@ func (c *Client) ListEvents(ctx context.Context, opts EventListOpts) (*EventPage
 // outbox metadata (every handoff writes it), else the envelope args of a
 // job from before the metadata existed. An ordered job that waits in its
 // key's line is not in river_job yet (migration 024): its line row names
-// its event (a scan of the line, which holds only waiting jobs).
+// its event. The line has no index on job_id (every handoff and release
+// would pay for one): an id that is in neither table, a job River's
+// cleaner removed, costs a scan of the line, which holds only waiting
+// jobs; fine for an operator's request.
 const eventOfJobSQL = `
 SELECT coalesce((metadata->>'outbox_event_id')::bigint,
                 CASE WHEN kind = $2 THEN (args->>'event_id')::bigint END)

@@ -374,6 +374,11 @@ func TestKeysPageAndUnpark(t *testing.T) {
 		!strings.Contains(body, `/console/keys?key=order-42%3cscript%3e&amp;queue=outbox_order`) {
 		t.Fatalf("event page of a waiting event: %d\n%s", code, body)
 	}
+	// Its job is not in River yet: the jobs table says so and does not
+	// link it to River UI, which would not find it.
+	if strings.Contains(body, `href="/riverui/jobs/`+itoa(jobs[1])+`"`) || !strings.Contains(body, `<span class="in-line">in its key's line, not in River yet</span>`) {
+		t.Fatalf("event page of a waiting event links its job to River UI or does not say it is in the line\n%s", body)
+	}
 	form := url.Values{"action": {"unpark"}, "key": {key}, "tenant": {"acme"}, "queue": {"outbox_order"}, "unpark": {"skip"}}
 	if code, _, _ := c.do("POST", "/console/actions/preview", form); code != 401 {
 		t.Errorf("unpark preview signed out: %d", code)

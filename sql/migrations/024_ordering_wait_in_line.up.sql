@@ -53,7 +53,9 @@
 -- uses its row type, which would block River's later ALTER TABLEs.
 --
 -- One transaction. Recreating the enqueue trigger takes a SHARE ROW
--- EXCLUSIVE lock on river_job for a moment.
+-- EXCLUSIVE lock on river_job, and adding the columns an ACCESS EXCLUSIVE
+-- lock on outbox_ordering_wait (handoffs and releases of ordered jobs
+-- wait), each for a moment.
 
 BEGIN;
 SET LOCAL lock_timeout = '10s';
