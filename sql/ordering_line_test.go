@@ -73,12 +73,13 @@ func TestWaitedCountIsPerStatement(t *testing.T) {
 }
 
 // TestLegacyWaitingJobIsReleasedByUpdate: an ordered job behind its key's
-// head that is not shaped as the handoff's (inserted by other code as
-// scheduled, or as attempted once) waits as every job waited before
-// migration 024, and as rows queued before 024 still do: a pending River
-// row, with a line row that holds none of its columns (kind NULL). The
-// head's completion, by River's statement or by outbox_ordering_complete's
-// group path, makes that row available, keeping its id.
+// head that other code than the handoff inserted (as available, the way
+// River's InsertManyTx does, or as scheduled) waits as every job waited
+// before migration 024, and as rows queued before 024 still do: a pending
+// River row, with a line row that holds none of its columns (kind NULL).
+// The head's completion, by River's statement or by
+// outbox_ordering_complete's group path, makes that row available,
+// keeping its id.
 func TestLegacyWaitingJobIsReleasedByUpdate(t *testing.T) {
 	t.Parallel()
 	for _, c := range completers {
@@ -88,29 +89,27 @@ func TestLegacyWaitingJobIsReleasedByUpdate(t *testing.T) {
 			ctx := pgtest.Context(t, 60*time.Second)
 
 			head := orderedJob(t, ctx, s.Pool, "k", 1, "available")
-			var ids []int64
-			for i, shape := range []string{
-				`'scheduled', 0`, // River's insert of a job to run later
-				`'available', 1`, // a job attempted before
-			} {
-				var id int64
-				var state string
-				err := s.Pool.QueryRow(ctx, `
-					INSERT INTO river_job (kind, args, queue, max_attempts, state, attempt, metadata)
-					VALUES ('order_step', '{}', 'orders', 3, `+shape+`,
-					        jsonb_build_object('outbox_ordering_key', 'k', 'outbox_ordering_position', $1::bigint))
-					RETURNING id, state::text`, int64(i+2)).Scan(&id, &state)
-				if err != nil {
-					t.Fatalf("insert (%s): %v", shape, err)
-				}
-				if state != "pending" {
-					t.Fatalf("the job inserted as (%s) behind the head is %s in river_job, want pending", shape, state)
-				}
-				if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_wait WHERE job_id = $1 AND kind IS NULL`, id); n != 1 {
-					t.Fatalf("the job inserted as (%s) has %d line rows without its columns, want 1", shape, n)
-				}
-				ids = append(ids, id)
+			ids := []int64{
+				legacyJobAs(t, ctx, s.Pool, "k", 2, "available"),
+				legacyJobAs(t, ctx, s.Pool, "k", 3, "scheduled"),
 			}
+			// With the handoff's mark, a job not shaped as the handoff's
+			// (attempted before) waits as a River row too: the line keeps
+			// only the columns of the handoff's jobs.
+			var attempted int64
+			var state string
+			err := s.Pool.QueryRow(ctx, `
+				INSERT INTO river_job (kind, args, queue, max_attempts, attempt, metadata)
+				SELECT 'order_step', '{}', 'orders', 3, 1, jsonb_build_object('outbox_ordering_key', 'k', 'outbox_ordering_position', 4)
+				FROM `+pgtest.AsHandoff+`
+				RETURNING id, state::text`).Scan(&attempted, &state)
+			if err != nil || state != "pending" {
+				t.Fatalf("an attempted job inserted with the handoff's mark behind the head: %s (%v), want a pending River row", state, err)
+			}
+			if n := pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_ordering_wait WHERE job_id = $1 AND kind IS NULL`, attempted); n != 1 {
+				t.Fatalf("the attempted job has %d line rows without its columns, want 1", n)
+			}
+			ids = append(ids, attempted)
 
 			prev := head
 			for i, id := range ids {

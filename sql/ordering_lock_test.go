@@ -52,22 +52,30 @@ func orderedJob(t *testing.T, ctx context.Context, q queryRower, k string, pos i
 }
 
 // legacyJob inserts an ordered job of key k at position pos that must wait
-// behind its key's head but is not shaped as the handoff's (inserted
-// scheduled by other code): it waits the way every
-// job waited before migration 024, and rows queued before 024 still do,
-// as a pending River row with a line row without its columns (kind NULL).
-// River's actions (retry, cancel, completion by hand) reach only such a
-// waiting job. It checks that and returns its id.
+// behind its key's head, inserted by other code than the handoff (here
+// as scheduled): it waits the way every job waited before migration 024,
+// and rows queued before 024 still do, as a pending River row with a line
+// row without its columns (kind NULL). River's actions (retry, cancel,
+// completion by hand) reach only such a waiting job. It checks that and
+// returns its id.
 func legacyJob(t *testing.T, ctx context.Context, q queryRower, k string, pos int64) int64 {
+	t.Helper()
+	return legacyJobAs(t, ctx, q, k, pos, "scheduled")
+}
+
+// legacyJobAs is legacyJob with the River state the job is inserted in
+// (without the handoff's mark, pgtest.AsHandoff, any state waits as a
+// pending River row).
+func legacyJobAs(t *testing.T, ctx context.Context, q queryRower, k string, pos int64, insertAs string) int64 {
 	t.Helper()
 	var id int64
 	var state string
 	err := q.QueryRow(ctx, `
 		INSERT INTO river_job (kind, args, queue, max_attempts, state, metadata)
-		VALUES ('order_step', '{}', 'orders', 3, 'scheduled', jsonb_build_object('outbox_ordering_key', $1::text, 'outbox_ordering_position', $2::bigint))
-		RETURNING id, state::text`, k, pos).Scan(&id, &state)
+		VALUES ('order_step', '{}', 'orders', 3, $3, jsonb_build_object('outbox_ordering_key', $1::text, 'outbox_ordering_position', $2::bigint))
+		RETURNING id, state::text`, k, pos, insertAs).Scan(&id, &state)
 	if err != nil {
-		t.Fatalf("insert legacy job of %q at %d: %v", k, pos, err)
+		t.Fatalf("insert legacy job of %q at %d as %s: %v", k, pos, insertAs, err)
 	}
 	var lined int
 	if err := q.QueryRow(ctx, `SELECT count(*) FROM outbox_ordering_wait WHERE job_id = $1 AND kind IS NULL`, id).Scan(&lined); err != nil {
