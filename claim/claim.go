@@ -122,6 +122,25 @@ ORDER BY scheduled_at, id
 LIMIT $1
 FOR UPDATE SKIP LOCKED`
 
+// claimAfterSkipSQL is claimAfterSQL without the events of the ordering
+// keys being walked ($6 tenants, empty for none, and $7 keys, pairwise; see
+// Handoff.BatchAfter). A walked key's events are the walk's to hand off:
+// a batch in claim order that claimed them would only lock them, find
+// them held back behind the walk's batch and let go, once for every batch
+// of the key's backlog, on the cores the walk's releases run on
+// (docs/ordering-measurements.md, "The drain passes a walked key by").
+// The filter reads the rows the index scan passes anyway; it locks and
+// writes none of them.
+const claimAfterSkipSQL = `
+SELECT ` + claimColumns + `
+FROM outbox_event
+WHERE status = 'pending' AND scheduled_at <= now() AND (scheduled_at, id) > ($4, $5)
+  AND (ordering_key IS NULL
+       OR (COALESCE(tenant_id, ''), ordering_key) NOT IN (SELECT s.tenant, s.key FROM unnest($6::text[], $7::text[]) AS s(tenant, key)))
+ORDER BY scheduled_at, id
+LIMIT $1
+FOR UPDATE SKIP LOCKED`
+
 // claimKeySQL locks up to $1 due pending events of one ordering key ($4
 // tenant, empty for none; $5 key) in the key's position order, over
 // outbox_event_ordering_idx: the walk of a hot key's backlog (see
@@ -226,9 +245,10 @@ ORDER BY k.scheduled_at, k.id`
 }
 
 var (
-	budgetedClaimSQL      = budgeted(claimSQL)
-	budgetedClaimAfterSQL = budgeted(claimAfterSQL)
-	budgetedClaimKeySQL   = budgeted(claimKeySQL)
+	budgetedClaimSQL          = budgeted(claimSQL)
+	budgetedClaimAfterSQL     = budgeted(claimAfterSQL)
+	budgetedClaimAfterSkipSQL = budgeted(claimAfterSkipSQL)
+	budgetedClaimKeySQL       = budgeted(claimKeySQL)
 )
 
 // DefaultBatchBytes is the default payload byte budget of one batch.
@@ -521,9 +541,19 @@ func (h *Handoff) batchBytes() int {
 
 // BatchAfter is Batch for the events after position after in claim order:
 // the continuation of a drain (see claimAfterSQL). It may miss events
-// behind the position; a later Batch finds them.
-func (h *Handoff) BatchAfter(ctx context.Context, limit int, after Position) (Result, error) {
-	return h.batch(ctx, afterClaim, limit, h.batchBytes(), outbox.MaxPayloadBytes, after.ScheduledAt, after.ID)
+// behind the position; a later Batch finds them. The events of the
+// ordering keys in skip (the keys a drain walks, BatchOfKey) are passed
+// over, not claimed: they stay pending and due, and the claim of the
+// position moves past them like past events another batch holds.
+func (h *Handoff) BatchAfter(ctx context.Context, limit int, after Position, skip ...Key) (Result, error) {
+	if len(skip) == 0 {
+		return h.batch(ctx, afterClaim, limit, h.batchBytes(), outbox.MaxPayloadBytes, after.ScheduledAt, after.ID)
+	}
+	tenants, keys := make([]string, len(skip)), make([]string, len(skip))
+	for i, k := range skip {
+		tenants[i], keys[i] = k.TenantID, k.OrderingKey
+	}
+	return h.batch(ctx, afterSkipClaim, limit, h.batchBytes(), outbox.MaxPayloadBytes, after.ScheduledAt, after.ID, tenants, keys)
 }
 
 // BatchOfKey is Batch for the due events of one ordering key, in the
@@ -543,6 +573,8 @@ type claimQuery struct{ sql, fast, oneTrip string }
 var (
 	batchClaim = claimQuery{budgetedClaimSQL, fastClaimSQL, oneTripClaimSQL}
 	afterClaim = claimQuery{budgetedClaimAfterSQL, fastClaimAfterSQL, oneTripClaimAfterSQL}
+	// The continuation past the keys being walked (BatchAfter's skip).
+	afterSkipClaim = claimQuery{budgetedClaimAfterSkipSQL, fastClaimAfterSkipSQL, oneTripClaimAfterSkipSQL}
 	// A key's walk claims only keyed events, which the statement never
 	// hands off.
 	keyClaim = claimQuery{sql: budgetedClaimKeySQL}

@@ -259,11 +259,13 @@ ORDER BY f.scheduled_at, f.id`
 // The claims with a one-statement form. A key's walk (claimKeySQL) claims
 // only keyed events, which the statement never hands off.
 var (
-	fastClaimSQL      = fastSQL(budgetedClaimSQL, 4, false)
-	fastClaimAfterSQL = fastSQL(budgetedClaimAfterSQL, 6, false)
+	fastClaimSQL          = fastSQL(budgetedClaimSQL, 4, false)
+	fastClaimAfterSQL     = fastSQL(budgetedClaimAfterSQL, 6, false)
+	fastClaimAfterSkipSQL = fastSQL(budgetedClaimAfterSkipSQL, 8, false)
 
-	oneTripClaimSQL      = fastSQL(budgetedClaimSQL, 4, true)
-	oneTripClaimAfterSQL = fastSQL(budgetedClaimAfterSQL, 6, true)
+	oneTripClaimSQL          = fastSQL(budgetedClaimSQL, 4, true)
+	oneTripClaimAfterSQL     = fastSQL(budgetedClaimAfterSQL, 6, true)
+	oneTripClaimAfterSkipSQL = fastSQL(budgetedClaimAfterSkipSQL, 8, true)
 )
 
 // fastCounts are what the one-statement claim reports of its handoff

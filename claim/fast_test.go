@@ -541,3 +541,70 @@ WHERE metadata->>'outbox_ordering_key' = 'k3' ORDER BY (metadata->>'outbox_order
 		}
 	})
 }
+
+// TestBatchAfterSkipsWalkedKeys: BatchAfter with keys to skip (the keys a
+// drain walks) neither claims nor locks their events, in each of its
+// three forms (the Go handoff alone, the one-statement claim in the batch
+// transaction, the one-statement claim in one round trip); it still
+// claims the events of the same key in another tenant, of other keys and
+// without a key, and the skipped events stay pending for a claim by key.
+func TestBatchAfterSkipsWalkedKeys(t *testing.T) {
+	t.Parallel()
+	for _, form := range []string{"go", "fast", "one trip"} {
+		t.Run(form, func(t *testing.T) {
+			t.Parallel()
+			ctx := pgtest.Context(t, 60*time.Second)
+			s := pgtest.NewSchema(t, nil)
+			routes, err := route.New([]route.Rule{{Prefix: "shop.", Queues: []string{"outbox_shop"}}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			h := &Handoff{Pool: s.Pool, Routes: routes, MaxRetries: 3, goOnly: form == "go"}
+			h.oneTrip.Store(form == "one trip")
+			var ids []int64
+			for _, e := range []struct{ tenant, key string }{
+				{"", ""}, {"a", "k"}, {"a", "k"}, {"b", "k"}, {"", "k"}, {"a", "j"}, {"a", "k"}, {"", ""},
+			} {
+				var id int64
+				if err := s.Pool.QueryRow(ctx, `SELECT outbox_publish('shop.order.changed', '{}'::jsonb, NULLIF($1, ''), ordering_key => NULLIF($2, ''))`,
+					e.tenant, e.key).Scan(&id); err != nil {
+					t.Fatal(err)
+				}
+				ids = append(ids, id)
+			}
+			// Claim the first event, then the rest after it, passing key
+			// a/k by.
+			first, err := h.Batch(ctx, 1)
+			if err != nil || first.Claimed != 1 {
+				t.Fatalf("first batch: %+v %v", first, err)
+			}
+			walked := Key{TenantID: "a", OrderingKey: "k"}
+			// A transaction that locks any of the skipped events while the
+			// batch runs would make SKIP LOCKED pass them for that reason
+			// instead: none does, so a claim of them would show.
+			res, err := h.BatchAfter(ctx, 100, first.Last, walked)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Claimed != 4 || res.Done != 4 || res.Blocked != 0 {
+				t.Fatalf("BatchAfter past key a/k: %+v, want the 4 events of other keys and tenants and without a key handed off", res)
+			}
+			if form != "go" && res.OneStatement != 4 {
+				t.Fatalf("BatchAfter past key a/k: %d events handed off by the claim's statement, want 4 (%+v)", res.OneStatement, res)
+			}
+			for _, i := range []int{1, 2, 6} {
+				var status string
+				if err := s.Pool.QueryRow(ctx, `SELECT status FROM outbox_event WHERE id = $1`, ids[i]).Scan(&status); err != nil {
+					t.Fatal(err)
+				}
+				if status != "pending" {
+					t.Fatalf("event %d of the skipped key a/k is %s, want pending", ids[i], status)
+				}
+			}
+			byKey, err := h.BatchOfKey(ctx, 100, walked)
+			if err != nil || byKey.Claimed != 3 || byKey.Done != 3 {
+				t.Fatalf("BatchOfKey(a/k) after the skip: %+v %v, want its 3 events handed off", byKey, err)
+			}
+		})
+	}
+}

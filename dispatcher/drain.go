@@ -155,6 +155,14 @@ func (dr *drain) batch(key *claim.Key) (claim.Result, int, bool, error) {
 	d := dr.d
 	dr.mu.Lock()
 	at := dr.at
+	var skip []claim.Key
+	if key == nil {
+		// The keys being walked are the walkers' to hand off: a batch in
+		// claim order passes their events by (claim.Handoff.BatchAfter).
+		for k := range dr.walked {
+			skip = append(skip, k)
+		}
+	}
 	dr.mu.Unlock()
 	var (
 		res claim.Result
@@ -164,7 +172,7 @@ func (dr *drain) batch(key *claim.Key) (claim.Result, int, bool, error) {
 	case key != nil:
 		res, err = d.handoff.BatchOfKey(dr.work, d.cfg.BatchSize, *key)
 	case at != nil:
-		res, err = d.handoff.BatchAfter(dr.work, d.cfg.BatchSize, *at)
+		res, err = d.handoff.BatchAfter(dr.work, d.cfg.BatchSize, *at, skip...)
 	default:
 		res, err = d.handoff.Batch(dr.work, d.cfg.BatchSize)
 	}
@@ -230,8 +238,12 @@ const walkMax = 100
 // the key got one batch per drain, and every drain claimed the rest of its
 // backlog again. A walk goes on with the key's next events wherever they
 // are in claim order, while the other workers go on in claim order past
-// them to the events behind. An unrelated event must never wait for a
-// key's backlog, so:
+// them to the events behind, without claiming them (batch passes the keys
+// being walked to claim.Handoff.BatchAfter): a batch that claimed them
+// would only find them held back behind the walk's batch and let go, and
+// did so for nearly the whole backlog in the walk's first second, on the
+// cores the key's releases run on. An unrelated event must never wait for
+// a key's backlog, so:
 //   - a walk starts only while another worker claims in claim order, and
 //     one key is walked by one worker at a time;
 //   - when no worker claims in claim order any more (they ran out of work
