@@ -213,8 +213,10 @@ func (dr *drain) hot(res claim.Result) bool {
 }
 
 // walkRetries bounds the batches of a walk in a row that hand nothing off
-// because another batch holds the key's next events (it claimed them from
-// the drain's position, found them held back and is about to let go).
+// because another batch holds the key's next events: one that claimed them
+// from the drain's position before the walk began (the drain's later
+// batches pass a walked key by), or another dispatcher's, found them held
+// back and is about to let go.
 const walkRetries = 3
 
 // walkProbeMax is the most batches of a lone walk between two of its

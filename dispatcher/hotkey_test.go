@@ -172,7 +172,8 @@ func TestDrainGoesPastALockHeldForLong(t *testing.T) {
 // TestHotKeyBacklogIsWalked: a backlog of one ordering key is handed off in
 // a few claims per batch of it, in the key's order. Only one batch at a time
 // can hand the key's events off; the drain's other batches, which claim in
-// claim order, find the next ones held back and go on past them. Before the
+// claim order, go on past the key's events (TestDrainPassesAWalkedKeyBy
+// counts how). Before the
 // batch that hands the key's events off went on with the key's next events
 // (drain.walk), it went on past them too: the key got one batch per drain,
 // and each drain claimed the rest of the backlog again: here about 290
