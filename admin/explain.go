@@ -175,18 +175,18 @@ FROM outbox_event e WHERE id = $1`
 // An ordered job that waits in its key's line is not in river_job yet
 // (migration 024): it is read from outbox_ordering_wait, by the event's key
 // ($2 tenant, $3 key: the line's primary key), as pending and in_line. The
-// line's job columns are read through to_jsonb, so that a schema before
-// 024 reads none.
+// line's job columns are read through to_jsonb (once per row, c), so
+// that a schema before 024, whose line has none of them, reads no row.
 const explainJobsSQL = `
 SELECT id, queue, state::text, attempt, max_attempts, coalesce(attempted_by, '{}'),
        coalesce(to_jsonb(errors), '[]'), created_at, scheduled_at, attempted_at, finalized_at, false
 FROM river_job WHERE id = ANY($1::bigint[])
 UNION ALL
-SELECT w.job_id, w.queue, 'pending', 0, (to_jsonb(w) ->> 'max_attempts')::int, '{}', '[]',
-       (to_jsonb(w) ->> 'created_at')::timestamptz, NULL, NULL, NULL, true
-FROM outbox_ordering_wait w
+SELECT w.job_id, w.queue, 'pending', 0, (c ->> 'max_attempts')::int, '{}', '[]',
+       (c ->> 'created_at')::timestamptz, NULL, NULL, NULL, true
+FROM outbox_ordering_wait w CROSS JOIN LATERAL to_jsonb(w) AS c
 WHERE $3::text IS NOT NULL AND w.tenant_id = coalesce($2, '') AND w.ordering_key = $3 AND w.job_id = ANY($1::bigint[])
-  AND to_jsonb(w) ->> 'kind' IS NOT NULL`
+  AND c ->> 'kind' IS NOT NULL`
 
 const explainReceiptsSQL = `
 SELECT receiver, state, job_id, attempt, created_at, completed_at, expires_at, result::text

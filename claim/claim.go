@@ -90,6 +90,19 @@ func (p Position) After(q Position) bool {
 	return p.ScheduledAt.After(q.ScheduledAt) || (p.ScheduledAt.Equal(q.ScheduledAt) && p.ID > q.ID)
 }
 
+// claimInOrderSQL locks up to $1 due pending events in claim order
+// (scheduled_at, id) that also meet and (" AND ...", or empty): claimSQL
+// and its continuations, which differ only there.
+func claimInOrderSQL(and string) string {
+	return `
+SELECT ` + claimColumns + `
+FROM outbox_event
+WHERE status = 'pending' AND scheduled_at <= now()` + and + `
+ORDER BY scheduled_at, id
+LIMIT $1
+FOR UPDATE SKIP LOCKED`
+}
+
 // claimSQL locks up to $1 due pending events. The partial index
 // outbox_event_claim_idx (scheduled_at, id) WHERE status = 'pending' makes
 // this an index range scan that stops after $1 rows; SKIP LOCKED lets
@@ -98,13 +111,7 @@ func (p Position) After(q Position) bool {
 // status goes straight from pending to done (or failed) in the same
 // transaction, one UPDATE per row instead of two. budgeted wraps it to
 // bound the batch by payload bytes.
-const claimSQL = `
-SELECT ` + claimColumns + `
-FROM outbox_event
-WHERE status = 'pending' AND scheduled_at <= now()
-ORDER BY scheduled_at, id
-LIMIT $1
-FOR UPDATE SKIP LOCKED`
+var claimSQL = claimInOrderSQL("")
 
 // claimAfterSQL is claimSQL starting after a position: the continuation of a
 // drain. Handed-off rows leave dead entries at the front of the claim index
@@ -114,13 +121,10 @@ FOR UPDATE SKIP LOCKED`
 // them. It is only a shortcut: rows behind the position (a late commit, a
 // rolled-back batch) are found by the next full claim, which every drain
 // starts with.
-const claimAfterSQL = `
-SELECT ` + claimColumns + `
-FROM outbox_event
-WHERE status = 'pending' AND scheduled_at <= now() AND (scheduled_at, id) > ($4, $5)
-ORDER BY scheduled_at, id
-LIMIT $1
-FOR UPDATE SKIP LOCKED`
+var claimAfterSQL = claimInOrderSQL(afterPosition)
+
+// afterPosition is the condition of claimAfterSQL: after ($4, $5).
+const afterPosition = ` AND (scheduled_at, id) > ($4, $5)`
 
 // claimAfterSkipSQL is claimAfterSQL without the events of the ordering
 // keys being walked ($6 tenants, empty for none, and $7 keys, pairwise; see
@@ -137,15 +141,9 @@ FOR UPDATE SKIP LOCKED`
 // walker's batches in claim order read them again, at most every 1, 2, 4
 // or 8 of its walk's batches (drain.walk): still far less than the claims
 // they replace, which locked every one of them.
-const claimAfterSkipSQL = `
-SELECT ` + claimColumns + `
-FROM outbox_event
-WHERE status = 'pending' AND scheduled_at <= now() AND (scheduled_at, id) > ($4, $5)
+var claimAfterSkipSQL = claimInOrderSQL(afterPosition + `
   AND (ordering_key IS NULL
-       OR (COALESCE(tenant_id, ''), ordering_key) NOT IN (SELECT s.tenant, s.key FROM unnest($6::text[], $7::text[]) AS s(tenant, key)))
-ORDER BY scheduled_at, id
-LIMIT $1
-FOR UPDATE SKIP LOCKED`
+       OR (COALESCE(tenant_id, ''), ordering_key) NOT IN (SELECT s.tenant, s.key FROM unnest($6::text[], $7::text[]) AS s(tenant, key)))`)
 
 // claimKeySQL locks up to $1 due pending events of one ordering key ($4
 // tenant, empty for none; $5 key) in the key's position order, over

@@ -59,8 +59,9 @@ SELECT ` + handoffCounts
 // to the transaction's id with each row, before ins inserts it (ins reads
 // jobn row by row), and other inserts of ordered jobs wait as pending
 // River rows. The setting holds for the rest of the transaction: the
-// dispatcher's handoff transactions insert nothing else into river_job. handoffSQL takes the jobs from
-// the client; the one-statement claim (fastSQL) builds them in SQL.
+// dispatcher's handoff transactions insert nothing else into river_job.
+// handoffSQL takes the jobs from the client; the one-statement claim
+// (fastSQL) builds them in SQL.
 var handoffWrites = handoffWritesSQL(`
         SELECT event_id, array_agg(jid ORDER BY route_pos) AS ids
         FROM jobn
