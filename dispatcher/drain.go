@@ -165,12 +165,14 @@ func (dr *drain) batch(key *claim.Key) (claim.Result, int, bool, error) {
 	}
 	dr.mu.Unlock()
 	var (
-		res claim.Result
-		err error
+		res   claim.Result
+		err   error
+		limit = d.cfg.BatchSize
 	)
 	switch {
 	case key != nil:
-		res, err = d.handoff.BatchOfKey(dr.work, d.cfg.BatchSize, *key)
+		limit = walkBatch(d.cfg.BatchSize)
+		res, err = d.handoff.BatchOfKey(dr.work, limit, *key)
 	case at != nil:
 		res, err = d.handoff.BatchAfter(dr.work, d.cfg.BatchSize, *at, skip...)
 	default:
@@ -203,7 +205,7 @@ func (dr *drain) batch(key *claim.Key) (claim.Result, int, bool, error) {
 	}
 	// Blocked events (waiting for their ordering key) are not work done:
 	// an idle re-check that finds only those goes back to sleep.
-	return res, res.Claimed - res.Blocked, res.Claimed >= d.cfg.BatchSize || res.More, nil
+	return res, res.Claimed - res.Blocked, res.Claimed >= limit || res.More, nil
 }
 
 // hot reports whether one ordering key filled at least half of a full
@@ -219,17 +221,60 @@ func (dr *drain) hot(res claim.Result) bool {
 // back and is about to let go.
 const walkRetries = 3
 
-// walkProbeMax is the most batches of a lone walk between two of its
-// batches in claim order, once these keep finding nothing (1, 2, 4, 8).
-const walkProbeMax = 8
+// walkScale and walkBatchMax size a walk's batches: walkScale times the
+// drain's batch, at most walkBatchMax events unless the drain's batch is
+// larger. A walk's batch holds one key's events, of which only one batch at
+// a time can be handed off, and what a batch pays whatever its size (the
+// claim's and the insert's statements, the commit and its WAL flush, the
+// round trips) is paid beside the key's first jobs, which run while the
+// walk hands the rest off: with batches of 500 instead of 100, the bench's
+// 10,000-event hot key was handed off in 0.85-1.28 s instead of 1.11-1.88
+// s, in every interleaved pair a shorter time, with shorter gaps between
+// its jobs meanwhile (docs/ordering-measurements.md, "Larger batches for a
+// walk"). Each batch stays within the handoff's byte budget
+// (claim.Handoff.BatchBytes).
+const (
+	walkScale    = 5
+	walkBatchMax = 1000
+)
 
-// walkMax bounds the batches of one walk. A walker alone claims in claim
-// order after the drain's position, which an event committed late with an
-// earlier scheduled_at (its transaction's start) is behind; only the next
-// drain, which starts from the beginning of the claim order, finds it, and
-// a drain does not end while a walk goes on. A bound in batches, not in
-// time, keeps a walk's work the same on a slow machine.
-const walkMax = 100
+// walkBatch is the most events of one batch of a walk, for a drain whose
+// batches take batch events.
+func walkBatch(batch int) int {
+	return max(batch, min(walkScale*batch, walkBatchMax))
+}
+
+// walkProbeBatches bounds the events a lone walk hands off between two of
+// its batches in claim order, once these keep finding nothing, in the
+// drain's batches: the walker takes one before each of its batches, then
+// every 2, 4, ... of them, up to walkProbeMax.
+const walkProbeBatches = 8
+
+// walkBatches bounds the events of one walk (walkMax), in the drain's
+// batches. A walker alone claims in claim order after the drain's
+// position, which an event committed late with an earlier scheduled_at
+// (its transaction's start) is behind; only the next drain, which starts
+// from the beginning of the claim order, finds it, and a drain does not
+// end while a walk goes on. A bound in events, not in time, keeps a walk's
+// work the same on a slow machine.
+const walkBatches = 100
+
+// walkProbeMax and walkMax are walkProbeBatches and walkBatches in batches
+// of a walk, for a drain whose batches take batch events: with the default
+// batch of 100, a walk's batches take 500 events, a lone walker takes a
+// batch in claim order at least every 2 of them, and a walk takes at most
+// 20 (until 2026-12-04, batches of 100, every 8 and at most 100: the same
+// events).
+func walkProbeMax(batch int) int {
+	return ceilDiv(walkProbeBatches*batch, walkBatch(batch))
+}
+
+func walkMax(batch int) int {
+	return ceilDiv(walkBatches*batch, walkBatch(batch))
+}
+
+// ceilDiv is a/b rounded up, for a, b > 0.
+func ceilDiv(a, b int) int { return (a + b - 1) / b }
 
 // walk hands off a hot key's backlog batch by batch, in the key's order,
 // after a batch that the key filled, and returns the events it claimed.
@@ -250,16 +295,18 @@ const walkMax = 100
 //     one key is walked by one worker at a time;
 //   - when no worker claims in claim order any more (they ran out of work
 //     and left, or were retired), the walker takes a batch in claim order
-//     between the walk's batches (before each, or every 2, 4 or 8 while
-//     those find nothing): events committed meanwhile notify nobody (a
-//     draining dispatcher does not hold the wake lock) and are found only
-//     there;
+//     between the walk's batches (before each, or every 2, 4, ... while
+//     those find nothing, up to walkProbeMax): events committed meanwhile
+//     notify nobody (a draining dispatcher does not hold the wake lock)
+//     and are found only there;
 //   - a walk's batches by key never move the drain's position;
-//   - a walk takes at most walkMax batches, so that the drain can end and
-//     the next one start from the beginning of the claim order.
+//   - a walk takes at most walkMax batches (as many events as walkBatches
+//     of the drain's), so that the drain can end and the next one start
+//     from the beginning of the claim order.
 //
-// A walk ends when its batch is not full, after walkRetries batches in a
-// row that handed nothing off, after walkMax batches, or when its worker
+// A walk's batches are larger than the drain's (walkBatch). A walk ends
+// when its batch is not full, after walkRetries batches in a row that
+// handed nothing off, after walkMax batches, or when its worker
 // is retired (quit).
 func (dr *drain) walk(key claim.Key, quit <-chan struct{}) (int, error) {
 	dr.mu.Lock()
@@ -285,7 +332,8 @@ func (dr *drain) walk(key claim.Key, quit <-chan struct{}) (int, error) {
 		// every and due pace a lone walker's batches in claim order.
 		every, due = 1, 0
 	)
-	for batches := 0; dr.run.Err() == nil && batches < walkMax; batches++ {
+	probeMax, most := walkProbeMax(dr.d.cfg.BatchSize), walkMax(dr.d.cfg.BatchSize)
+	for batches := 0; dr.run.Err() == nil && batches < most; batches++ {
 		select {
 		case <-quit:
 			return total, nil
@@ -301,7 +349,7 @@ func (dr *drain) walk(key claim.Key, quit <-chan struct{}) (int, error) {
 				if n > 0 {
 					every = 1
 				} else {
-					every = min(2*every, walkProbeMax)
+					every = min(2*every, probeMax)
 				}
 				due = every
 			}
