@@ -138,9 +138,9 @@ const afterPosition = ` AND (scheduled_at, id) > ($4, $5)`
 // batch that finds nothing else reads the walked keys' whole remaining
 // backlog (about 10,000 rows for the bench's hot key, a few milliseconds).
 // The drain's position does not move past rows it passed, so a lone
-// walker's batches in claim order read them again, at most every 1, 2, 4
-// or 8 of its walk's batches (drain.walk): still far less than the claims
-// they replace, which locked every one of them.
+// walker's batches in claim order read them again, before each of its
+// walk's batches or every 2 of them (drain.walk, walkProbeMax): still far
+// less than the claims they replace, which locked every one of them.
 var claimAfterSkipSQL = claimInOrderSQL(afterPosition + `
   AND (ordering_key IS NULL
        OR (COALESCE(tenant_id, ''), ordering_key) NOT IN (SELECT s.tenant, s.key FROM unnest($6::text[], $7::text[]) AS s(tenant, key)))`)

@@ -45,7 +45,10 @@ type Config struct {
 	// Routes is the routing table. Required: the dispatcher refuses to run
 	// without routes.
 	Routes *route.Table
-	// BatchSize is the most events claimed per batch. 0 means 100.
+	// BatchSize is the most events claimed per batch. 0 means 100. A walk
+	// of one hot ordering key's backlog takes five times as many per batch,
+	// at most 1,000 unless BatchSize is larger (docs/ordering.md, "How it
+	// works").
 	BatchSize int
 	// BatchBytes bounds the payload bytes (JSON text) of one batch; a batch
 	// always takes at least one event, so a single event larger than the

@@ -181,7 +181,8 @@ func TestDrainGoesPastALockHeldForLong(t *testing.T) {
 // machine and up to 108 seen in a CI run of the whole suite in parallel.
 // The limit, 180, lies between the two, so that a busy machine does not
 // fail the test and a drain without the walk still does. Since 2026-12-04
-// a walk's batches take five times the drain's events.
+// a walk's batches take five times the drain's events, and the test has
+// taken about 15 claim transactions.
 func TestHotKeyBacklogIsWalked(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 20})
@@ -230,7 +231,9 @@ func TestHotKeyBacklogIsWalked(t *testing.T) {
 // claim some of the key's events for nothing; before the drain passed a
 // walked key by, its other batches claimed nearly all of the backlog that
 // way (measured with this test's settings: 3,100 claims held back for
-// 3,000 events, against 300 since).
+// 3,000 events, against 300 since; since a walk's batches take 500
+// events, 100 with the drain passing the key by and 1,800-2,300 without).
+// The limit, a quarter of the backlog, lies between the two.
 func TestDrainPassesAWalkedKeyBy(t *testing.T) {
 	t.Parallel()
 	s := pgtest.NewSchema(t, &pgtest.Options{MaxConns: 20})
@@ -246,8 +249,8 @@ func TestDrainPassesAWalkedKeyBy(t *testing.T) {
 		return pgtest.Count(t, s.Pool, `SELECT count(*) FROM outbox_event WHERE status = 'done'`) == n
 	})
 	t.Logf("%d claims of the key's %d events, %d of them held back", claimed.Load(), n, blocked.Load())
-	if b := blocked.Load(); b > n/2 {
-		t.Fatalf("%d claims of the key's events held them back behind the walk, want at most %d of %d events", b, n/2, n)
+	if b := blocked.Load(); b > n/4 {
+		t.Fatalf("%d claims of the key's events held them back behind the walk, want at most %d of %d events", b, n/4, n)
 	}
 	if k := jobsOutOfKeyOrder(t, s.Pool); k != 0 {
 		t.Fatalf("%d jobs of the key inserted after a job of a later position", k)
