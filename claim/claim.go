@@ -418,10 +418,11 @@ type Handoff struct {
 	// plainLeft counts down the batches that use the plain claim after
 	// one in which the statement handed nothing off (plainBatches).
 	plainLeft atomic.Int32
-	// holds says whether the batches hold events back (holdSQL):
-	// holdsUnknown, holdsOn or holdsOff until holdCheckAt (Unix ns).
-	holds       atomic.Int32
-	holdCheckAt atomic.Int64
+	// holds says whether the batches hold events back (holdSQL, migration
+	// 021); line whether the handoff writes its ordered jobs' line rows
+	// itself (handoffLineSQL, migration 025).
+	holds schemaFeature
+	line  schemaFeature
 }
 
 // Result summarises one batch.
@@ -1217,7 +1218,17 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 				return res, nil, fmt.Errorf("event %d: %w", jobEvent[j], err)
 			}
 		}
-		final = append(final, queued{what: "insert River jobs and mark events done", sql: handoffSQL, args: cols.sqlArgs(), row: []any{&counts[0], &counts[1], &counts[2], &counts[3]}})
+		stmt := handoffSQL
+		if anyKeyed {
+			ok, err := h.canLine(ctx, tx)
+			if err != nil {
+				return res, nil, err
+			}
+			if ok {
+				stmt = handoffLineSQL
+			}
+		}
+		final = append(final, queued{what: "insert River jobs and mark events done", sql: stmt, args: cols.sqlArgs(), row: []any{&counts[0], &counts[1], &counts[2], &counts[3]}})
 		res.Jobs = len(params)
 	}
 	if len(unroutable) > 0 {
@@ -1258,7 +1269,7 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 				queued: queued{what: "hold back events for their key", sql: holdSQL, args: []any{hold, holdFor.Seconds()}, row: []any{&held}},
 				onFail: func(err error) {
 					held = 0 // Scan may have set it before an error after the row
-					h.turnHoldsOff()
+					h.holds.turnOff()
 					h.logger().Warn("outbox: holding back events for their ordering key failed; the batch is handed off without it, they stay due, and holds are off for a minute",
 						slog.Int("events", len(hold)), slog.String("error", err.Error()))
 				},
@@ -1280,47 +1291,70 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 	return res, unroutable, nil
 }
 
-// The states of Handoff.holds.
+// schemaFeature remembers whether the schema has what a newer migration
+// brings: not looked at yet (featureUnknown), there (featureOn), or
+// missing until checkAt (Unix ns), when has looks again (featureOff).
+type schemaFeature struct {
+	state   atomic.Int32
+	checkAt atomic.Int64
+}
+
+// The states of a schemaFeature.
 const (
-	holdsUnknown int32 = iota // not looked at yet
-	holdsOn                   // the schema has migration 021
-	holdsOff                  // not until holdCheckAt: an older schema, or a hold failed
+	featureUnknown int32 = iota
+	featureOn
+	featureOff
 )
 
-// holdsRecheck is how long holds stay off (holdsOff) before canHold looks
-// at the schema again.
-const holdsRecheck = time.Minute
+// featureRecheck is how long a feature stays off before has looks at the
+// schema again.
+const featureRecheck = time.Minute
 
-// canHold reports whether batches hold events back (holdSQL): whether the
-// schema has migration 021, which it needs. It looks once, in tx; on an
-// older schema, or after a hold failed (turnHoldsOff), again after
-// holdsRecheck. Meanwhile held events are claimed at every poll, as before
-// 021.
-func (h *Handoff) canHold(ctx context.Context, tx pgx.Tx) (bool, error) {
-	switch h.holds.Load() {
-	case holdsOn:
+// has reports whether the feature is there: it asks look once, in tx, and
+// when the answer is no (or after turnOff) again after featureRecheck.
+func (f *schemaFeature) has(ctx context.Context, tx pgx.Tx, look func(context.Context, schemacheck.Querier) (bool, error)) (bool, error) {
+	switch f.state.Load() {
+	case featureOn:
 		return true, nil
-	case holdsOff:
-		if time.Now().UnixNano() < h.holdCheckAt.Load() {
+	case featureOff:
+		if time.Now().UnixNano() < f.checkAt.Load() {
 			return false, nil
 		}
 	}
-	ok, err := schemacheck.HeldFrom(ctx, tx)
+	ok, err := look(ctx, tx)
 	if err != nil {
 		return false, err
 	}
 	if ok {
-		h.holds.Store(holdsOn)
+		f.state.Store(featureOn)
 	} else {
-		h.turnHoldsOff()
+		f.turnOff()
 	}
 	return ok, nil
 }
 
-// turnHoldsOff turns holds off for holdsRecheck.
-func (h *Handoff) turnHoldsOff() {
-	h.holdCheckAt.Store(time.Now().Add(holdsRecheck).UnixNano())
-	h.holds.Store(holdsOff)
+// turnOff turns the feature off for featureRecheck.
+func (f *schemaFeature) turnOff() {
+	f.checkAt.Store(time.Now().Add(featureRecheck).UnixNano())
+	f.state.Store(featureOff)
+}
+
+// canHold reports whether batches hold events back (holdSQL): whether the
+// schema has migration 021, which it needs. On an older schema, or after a
+// hold failed (holds.turnOff), it looks again after featureRecheck.
+// Meanwhile held events are claimed at every poll, as before 021.
+func (h *Handoff) canHold(ctx context.Context, tx pgx.Tx) (bool, error) {
+	return h.holds.has(ctx, tx, schemacheck.HeldFrom)
+}
+
+// canLine reports whether the handoff writes its ordered jobs' rows of
+// their key's line itself (handoffLineSQL): whether the schema has
+// migration 025 and the role may insert into outbox_ordering_wait. On an
+// older schema (or without the grant) it looks again after
+// featureRecheck; meanwhile every job goes through River's insert and the
+// enqueue trigger, as before 025.
+func (h *Handoff) canLine(ctx context.Context, tx pgx.Tx) (bool, error) {
+	return h.line.has(ctx, tx, schemacheck.LineWrites)
 }
 
 // jobLock is the key row an ordered job locks when it is inserted: the

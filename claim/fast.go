@@ -243,7 +243,7 @@ job AS (
 ),` + handoffWritesSQL(`
         SELECT event_id, array_agg(jid ORDER BY jid) AS ids
         FROM jobn
-        GROUP BY event_id`) + `,
+        GROUP BY event_id`, false) + `,
 counts AS MATERIALIZED (
     SELECT x.*, ` + check + ` AS checked
     FROM (SELECT ` + handoffCounts + `) x(jobs, done, recorded, queues)

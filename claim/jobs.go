@@ -37,13 +37,22 @@ import (
 // The statement returns the jobs inserted, the events marked done, the job
 // ids recorded in them and the queues announced; the caller checks the
 // first three before it commits.
-var handoffSQL = `
+var handoffSQL = handoffStatement(handoffWrites)
+
+// handoffLineSQL is handoffSQL that writes the key's line itself (lineWrites):
+// the handoff's statement on a schema with migration 025, by a role that may
+// insert into outbox_ordering_wait (Handoff.canLine).
+var handoffLineSQL = handoffStatement(lineWrites)
+
+func handoffStatement(writes string) string {
+	return `
 WITH job AS (
     SELECT *
     FROM unnest($1::bigint[], $2::int[], $3::jsonb[], $4::text[], $5::smallint[], $6::jsonb[], $7::smallint[], $8::text[], $9::text[])
         WITH ORDINALITY AS j(event_id, route_pos, args, kind, max_attempts, metadata, priority, queue, tags, ord)
-),` + handoffWrites + `
+),` + writes + `
 SELECT ` + handoffCounts
+}
 
 // handoffWrites are the common-table expressions that write a handoff: given
 // a CTE job with one row per job (event_id, route_pos, args, kind,
@@ -60,17 +69,45 @@ SELECT ` + handoffCounts
 // jobn row by row), and other inserts of ordered jobs wait as pending
 // River rows. The setting holds for the rest of the transaction: the
 // dispatcher's handoff transactions insert nothing else into river_job.
-// handoffSQL takes the jobs from the client; the one-statement claim
-// (fastSQL) builds them in SQL.
-var handoffWrites = handoffWritesSQL(`
+// lined, the line rows the statement writes itself, is empty here
+// (lineWrites writes them). handoffSQL takes the jobs from the client; the
+// one-statement claim (fastSQL) builds them in SQL.
+var handoffWrites = handoffWritesSQL(routeOrderIDs, false)
+
+// lineWrites is handoffWrites that writes the key's line itself: in a
+// batch's jobs of one (tenant, ordering key, queue), only the first goes
+// through River's insert and the enqueue trigger, which makes it the key's
+// head or queues it, and locks the key's row either way (as its inserter,
+// or FOR KEY SHARE) until the batch commits. The key's later jobs of the
+// batch wait behind it whatever it became, so the statement writes their
+// rows of the line (lined) with the columns the trigger would have
+// written, after that first insert: lined reads the count of ins, so ins
+// has run, for every row, before lined inserts one, and the key's row is
+// locked before any line row of the batch exists, as with the trigger.
+// One set-based insert into a small table instead of a trigger call per
+// job (a PL/pgSQL frame with its SECURITY DEFINER switch, a lookup and
+// lock of the key's row, an insert through SPI, two settings): a hot key's
+// walk hands its backlog off about a third faster, on the cores its first
+// jobs run on (docs/ordering-measurements.md, "The walk writes the line
+// itself"). It needs INSERT on outbox_ordering_wait, which migration 025
+// grants to outbox_dispatcher; on an older schema the handoff uses
+// handoffWrites (Handoff.canLine). The one-statement claim (fastSQL) keeps
+// handoffWrites: it never walks a key, and its batches in claim order
+// rarely hold two jobs of one key.
+var lineWrites = handoffWritesSQL(routeOrderIDs, true)
+
+// routeOrderIDs gives each event's job ids in route order (handoffWritesSQL).
+const routeOrderIDs = `
         SELECT event_id, array_agg(jid ORDER BY route_pos) AS ids
         FROM jobn
-        GROUP BY event_id`)
+        GROUP BY event_id`
 
 // handoffWritesSQL is handoffWrites with ids, the query that gives each
-// event's job ids in route order (event_id, ids).
-func handoffWritesSQL(ids string) string {
-	return `
+// event's job ids in route order (event_id, ids), and lineWrites when line
+// is set.
+func handoffWritesSQL(ids string, line bool) string {
+	if !line {
+		return `
 jobn AS MATERIALIZED (
     SELECT j.*, nextval('river_job_id_seq') AS jid,
            set_config('outbox.ordering_line', txid_current()::text, true) AS line
@@ -83,6 +120,51 @@ ins AS (
     ORDER BY ord
     RETURNING id, (metadata->>'outbox_event_id')::bigint AS event_id, queue, state
 ),
+lined AS (
+    SELECT 1 WHERE false
+),` + handoffDone(ids)
+	}
+	// behind: a keyed job that is not its key's first in the batch. The
+	// window runs over jobn, whose ids are already drawn in insert order.
+	return `
+jobn AS MATERIALIZED (
+    SELECT j.*, nextval('river_job_id_seq') AS jid,
+           set_config('outbox.ordering_line', txid_current()::text, true) AS line
+    FROM (SELECT * FROM job ORDER BY ord) j
+),
+jobk AS MATERIALIZED (
+    SELECT n.*,
+           n.metadata ? 'outbox_ordering_key'
+           AND row_number() OVER (PARTITION BY coalesce(n.metadata->>'outbox_tenant_id', ''), n.metadata->>'outbox_ordering_key', n.queue
+                                  ORDER BY n.ord) > 1 AS behind
+    FROM jobn n
+),
+ins AS (
+    INSERT INTO river_job (id, args, created_at, kind, max_attempts, metadata, priority, queue, scheduled_at, state, tags)
+    SELECT jid, args, now(), kind, max_attempts, metadata, priority, queue, now(), 'available', string_to_array(tags, ',')::varchar(255)[]
+    FROM jobk
+    WHERE NOT behind
+    ORDER BY ord
+    RETURNING id, (metadata->>'outbox_event_id')::bigint AS event_id, queue, state
+),
+lined AS (
+    INSERT INTO outbox_ordering_wait (tenant_id, ordering_key, queue, position, job_id, event_id,
+                                      args, created_at, kind, max_attempts, metadata, priority, tags)
+    SELECT coalesce(metadata->>'outbox_tenant_id', ''), metadata->>'outbox_ordering_key', queue,
+           coalesce((metadata->>'outbox_ordering_position')::bigint, jid), jid, event_id,
+           args, now(), kind, max_attempts, metadata, priority, string_to_array(tags, ',')::varchar(255)[]
+    FROM jobk
+    WHERE behind AND (SELECT count(*) FROM ins) >= 0
+    ORDER BY ord
+    RETURNING 1
+),` + handoffDone(ids)
+}
+
+// handoffDone are handoffWritesSQL's last two expressions: done marks the
+// events done with their jobs' ids, announced sends River's insert
+// notifications.
+func handoffDone(ids string) string {
+	return `
 done AS (
     UPDATE outbox_event e
     SET status = 'done', processed_at = clock_timestamp(), locked_until = NULL, river_job_ids = x.ids
@@ -98,10 +180,12 @@ announced AS (
 }
 
 // handoffCounts are the four counts a handoff statement returns: jobs
-// inserted, events marked done, job ids recorded in them, queues announced.
+// written (inserted into River, queued in their key's line by the trigger,
+// or written to the line by the statement), events marked done, job ids
+// recorded in them, queues announced.
 // Reading announced is also what makes its notifications run: Postgres
 // evaluates a SELECT in WITH only when the query reads it.
-const handoffCounts = `(SELECT count(*) + ` + waitedSQL + ` FROM ins), (SELECT count(*) FROM done), (SELECT coalesce(sum(jobs), 0) FROM done),
+const handoffCounts = `(SELECT count(*) + ` + waitedSQL + ` + (SELECT count(*) FROM lined) FROM ins), (SELECT count(*) FROM done), (SELECT coalesce(sum(jobs), 0) FROM done),
        (SELECT count(*) FROM announced)`
 
 // waitedSQL is how many of the statement's jobs the ordering trigger

@@ -90,6 +90,26 @@ const heldFromSQL = `SELECT EXISTS (
     SELECT 1 FROM pg_attribute
     WHERE attrelid = 'outbox_event'::regclass AND attname = 'held_from' AND NOT attisdropped)`
 
+// lineSQL reports whether the schema has migration 025 and the role may
+// insert into outbox_ordering_wait (which 025 grants outbox_dispatcher;
+// the schema's owner always may). The CASE keeps has_table_privilege off a
+// schema without the table.
+const lineSQL = `SELECT CASE WHEN to_regclass('outbox_ordering_wait') IS NULL THEN false
+            ELSE EXISTS (SELECT 1 FROM outbox_schema_migration WHERE version >= 25)
+                 AND has_table_privilege('outbox_ordering_wait', 'INSERT') END`
+
+// LineWrites reports whether the handoff may write ordered jobs' rows of
+// their key's line itself: the schema q looks in has migration 025, and
+// the role may insert into outbox_ordering_wait. It is one catalog lookup;
+// callers decide whether to remember it.
+func LineWrites(ctx context.Context, q Querier) (bool, error) {
+	var ok bool
+	if err := q.QueryRow(ctx, lineSQL).Scan(&ok); err != nil {
+		return false, fmt.Errorf("look for migration 025 (INSERT on outbox_ordering_wait): %w", err)
+	}
+	return ok, nil
+}
+
 // HeldFrom reports whether the schema q looks in has migration 021: the
 // claim moves held events' due times and the backlog counts them only
 // then. It is one catalog lookup; callers decide whether to remember it.
