@@ -1284,11 +1284,36 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		return nil
 	}
 	if err := finish(ctx, tx, final, holdStmt, check); err != nil {
+		if lineLost(err) && usesLine(final) {
+			// The grant or the line's columns went away after canLine
+			// looked (a REVOKE, a restore without privileges): this batch
+			// fails and is handed off again, through the trigger.
+			h.line.turnOff()
+			h.logger().Warn("outbox: writing ordered jobs into their key's line failed; the handoff sends every job through the ordering trigger for a while",
+				slog.String("error", err.Error()), slog.Duration("for", featureRecheck))
+		}
 		return res, nil, err
 	}
 	res.Held = int(held)
 	h.alertBroken(ctx, broken)
 	return res, unroutable, nil
+}
+
+// lineLost reports whether err is a missing privilege, table or column:
+// what handoffLineSQL meets when the schema lost what canLine found.
+func lineLost(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == "42501" || pgErr.Code == "42P01" || pgErr.Code == "42703")
+}
+
+// usesLine reports whether stmts hold handoffLineSQL.
+func usesLine(stmts []queued) bool {
+	for _, q := range stmts {
+		if q.sql == handoffLineSQL {
+			return true
+		}
+	}
+	return false
 }
 
 // schemaFeature remembers whether the schema has what a newer migration

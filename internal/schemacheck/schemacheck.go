@@ -90,17 +90,25 @@ const heldFromSQL = `SELECT EXISTS (
     SELECT 1 FROM pg_attribute
     WHERE attrelid = 'outbox_event'::regclass AND attname = 'held_from' AND NOT attisdropped)`
 
-// lineSQL reports whether the schema has migration 025 and the role may
+// lineSQL reports whether the schema has migration 025, the role may
 // insert into outbox_ordering_wait (which 025 grants outbox_dispatcher;
-// the schema's owner always may). The CASE keeps has_table_privilege off a
-// schema without the table.
-const lineSQL = `SELECT CASE WHEN to_regclass('outbox_ordering_wait') IS NULL THEN false
+// the schema's owner always may), and the enqueue trigger fires for this
+// session: enabled, and not only for replicas or (with
+// session_replication_role = replica) only for origins. A line row written
+// while it does not fire would wait behind a head that no key row names.
+// The CASE keeps has_table_privilege off a schema without the table.
+const lineSQL = `SELECT CASE WHEN to_regclass('outbox_ordering_wait') IS NULL OR to_regclass('river_job') IS NULL THEN false
             ELSE EXISTS (SELECT 1 FROM outbox_schema_migration WHERE version >= 25)
-                 AND has_table_privilege('outbox_ordering_wait', 'INSERT') END`
+                 AND has_table_privilege('outbox_ordering_wait', 'INSERT')
+                 AND EXISTS (SELECT 1 FROM pg_trigger
+                             WHERE tgrelid = to_regclass('river_job') AND tgname = 'outbox_ordering_enqueue'
+                               AND (tgenabled = 'A'
+                                    OR (tgenabled = 'O' AND current_setting('session_replication_role') <> 'replica')))
+            END`
 
 // LineWrites reports whether the handoff may write ordered jobs' rows of
-// their key's line itself: the schema q looks in has migration 025, and
-// the role may insert into outbox_ordering_wait. It is one catalog lookup;
+// their key's line itself: the schema q looks in has migration 025, the
+// role may insert into outbox_ordering_wait, and the enqueue trigger fires. It is one catalog lookup;
 // callers decide whether to remember it.
 func LineWrites(ctx context.Context, q Querier) (bool, error) {
 	var ok bool
