@@ -1146,6 +1146,8 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		// hold lists the blocked events that wait for an event that is
 		// not about to move (holdSQL).
 		hold []int64
+		// lineWrites: the jobs go in with handoffLineSQL (canLine).
+		lineWrites bool
 	)
 	events = inKeyOrder(events)
 	for i := range events {
@@ -1220,11 +1222,11 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		}
 		stmt := handoffSQL
 		if anyKeyed {
-			ok, err := h.canLine(ctx, tx)
-			if err != nil {
+			var err error
+			if lineWrites, err = h.canLine(ctx, tx); err != nil {
 				return res, nil, err
 			}
-			if ok {
+			if lineWrites {
 				stmt = handoffLineSQL
 			}
 		}
@@ -1284,7 +1286,7 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 		return nil
 	}
 	if err := finish(ctx, tx, final, holdStmt, check); err != nil {
-		if lineLost(err) && usesLine(final) {
+		if lineWrites && lineLost(err) {
 			// The grant or the line's columns went away after canLine
 			// looked (a REVOKE, a restore without privileges): this batch
 			// fails and is handed off again, through the trigger.
@@ -1304,16 +1306,6 @@ func (h *Handoff) handoff(ctx context.Context, tx pgx.Tx, events []Event) (Resul
 func lineLost(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && (pgErr.Code == "42501" || pgErr.Code == "42P01" || pgErr.Code == "42703")
-}
-
-// usesLine reports whether stmts hold handoffLineSQL.
-func usesLine(stmts []queued) bool {
-	for _, q := range stmts {
-		if q.sql == handoffLineSQL {
-			return true
-		}
-	}
-	return false
 }
 
 // schemaFeature remembers whether the schema has what a newer migration

@@ -37,21 +37,22 @@ import (
 // The statement returns the jobs inserted, the events marked done, the job
 // ids recorded in them and the queues announced; the caller checks the
 // first three before it commits.
-var handoffSQL = handoffStatement(handoffWrites)
+var handoffSQL = handoffStatement(handoffWrites, handoffCounts)
 
 // handoffLineSQL is handoffSQL that writes the key's line itself (lineWrites):
 // the handoff's statement on a schema with migration 025, by a role that may
 // insert into outbox_ordering_wait (Handoff.canLine).
-var handoffLineSQL = handoffStatement(lineWrites)
+var handoffLineSQL = handoffStatement(lineWrites, lineCounts)
 
-func handoffStatement(writes string) string {
+// handoffStatement is handoffSQL with writes and counts.
+func handoffStatement(writes, counts string) string {
 	return `
 WITH job AS (
     SELECT *
     FROM unnest($1::bigint[], $2::int[], $3::jsonb[], $4::text[], $5::smallint[], $6::jsonb[], $7::smallint[], $8::text[], $9::text[])
         WITH ORDINALITY AS j(event_id, route_pos, args, kind, max_attempts, metadata, priority, queue, tags, ord)
 ),` + writes + `
-SELECT ` + handoffCounts
+SELECT ` + counts
 }
 
 // handoffWrites are the common-table expressions that write a handoff: given
@@ -69,9 +70,8 @@ SELECT ` + handoffCounts
 // jobn row by row), and other inserts of ordered jobs wait as pending
 // River rows. The setting holds for the rest of the transaction: the
 // dispatcher's handoff transactions insert nothing else into river_job.
-// lined, the line rows the statement writes itself, is empty here
-// (lineWrites writes them). handoffSQL takes the jobs from the client; the
-// one-statement claim (fastSQL) builds them in SQL.
+// handoffSQL takes the jobs from the client; the one-statement claim
+// (fastSQL) builds them in SQL.
 var handoffWrites = handoffWritesSQL(routeOrderIDs, false)
 
 // lineWrites is handoffWrites that writes the key's line itself: in a
@@ -104,49 +104,23 @@ const routeOrderIDs = `
 
 // handoffWritesSQL is handoffWrites with ids, the query that gives each
 // event's job ids in route order (event_id, ids), and lineWrites when line
-// is set.
+// is set: then jobk marks the jobs behind their key's first of the batch
+// (behind; the window runs over jobn, whose ids are already drawn in insert
+// order), ins inserts the others and lined writes those into the line.
+// Without line the statement is the same as before migration 025.
 func handoffWritesSQL(ids string, line bool) string {
-	if !line {
-		return `
-jobn AS MATERIALIZED (
-    SELECT j.*, nextval('river_job_id_seq') AS jid,
-           set_config('outbox.ordering_line', txid_current()::text, true) AS line
-    FROM (SELECT * FROM job ORDER BY ord) j
-),
-ins AS (
-    INSERT INTO river_job (id, args, created_at, kind, max_attempts, metadata, priority, queue, scheduled_at, state, tags)
-    SELECT jid, args, now(), kind, max_attempts, metadata, priority, queue, now(), 'available', string_to_array(tags, ',')::varchar(255)[]
-    FROM jobn
-    ORDER BY ord
-    RETURNING id, (metadata->>'outbox_event_id')::bigint AS event_id, queue, state
-),
-lined AS (
-    SELECT 1 WHERE false
-),` + handoffDone(ids)
-	}
-	// behind: a keyed job that is not its key's first in the batch. The
-	// window runs over jobn, whose ids are already drawn in insert order.
-	return `
-jobn AS MATERIALIZED (
-    SELECT j.*, nextval('river_job_id_seq') AS jid,
-           set_config('outbox.ordering_line', txid_current()::text, true) AS line
-    FROM (SELECT * FROM job ORDER BY ord) j
-),
+	from, jobk, lined := "jobn", "", ""
+	if line {
+		from = "jobk\n    WHERE NOT behind"
+		jobk = `
 jobk AS MATERIALIZED (
     SELECT n.*,
            n.metadata ? 'outbox_ordering_key'
            AND row_number() OVER (PARTITION BY coalesce(n.metadata->>'outbox_tenant_id', ''), n.metadata->>'outbox_ordering_key', n.queue
                                   ORDER BY n.ord) > 1 AS behind
     FROM jobn n
-),
-ins AS (
-    INSERT INTO river_job (id, args, created_at, kind, max_attempts, metadata, priority, queue, scheduled_at, state, tags)
-    SELECT jid, args, now(), kind, max_attempts, metadata, priority, queue, now(), 'available', string_to_array(tags, ',')::varchar(255)[]
-    FROM jobk
-    WHERE NOT behind
-    ORDER BY ord
-    RETURNING id, (metadata->>'outbox_event_id')::bigint AS event_id, queue, state
-),
+),`
+		lined = `
 lined AS (
     INSERT INTO outbox_ordering_wait (tenant_id, ordering_key, queue, position, job_id, event_id,
                                       args, created_at, kind, max_attempts, metadata, priority, tags)
@@ -157,14 +131,21 @@ lined AS (
     WHERE behind AND (SELECT count(*) FROM ins) >= 0
     ORDER BY ord
     RETURNING 1
-),` + handoffDone(ids)
-}
-
-// handoffDone are handoffWritesSQL's last two expressions: done marks the
-// events done with their jobs' ids, announced sends River's insert
-// notifications.
-func handoffDone(ids string) string {
+),`
+	}
 	return `
+jobn AS MATERIALIZED (
+    SELECT j.*, nextval('river_job_id_seq') AS jid,
+           set_config('outbox.ordering_line', txid_current()::text, true) AS line
+    FROM (SELECT * FROM job ORDER BY ord) j
+),` + jobk + `
+ins AS (
+    INSERT INTO river_job (id, args, created_at, kind, max_attempts, metadata, priority, queue, scheduled_at, state, tags)
+    SELECT jid, args, now(), kind, max_attempts, metadata, priority, queue, now(), 'available', string_to_array(tags, ',')::varchar(255)[]
+    FROM ` + from + `
+    ORDER BY ord
+    RETURNING id, (metadata->>'outbox_event_id')::bigint AS event_id, queue, state
+),` + lined + `
 done AS (
     UPDATE outbox_event e
     SET status = 'done', processed_at = clock_timestamp(), locked_until = NULL, river_job_ids = x.ids
@@ -180,12 +161,18 @@ announced AS (
 }
 
 // handoffCounts are the four counts a handoff statement returns: jobs
-// written (inserted into River, queued in their key's line by the trigger,
-// or written to the line by the statement), events marked done, job ids
-// recorded in them, queues announced.
+// written (inserted into River or queued in their key's line by the
+// trigger), events marked done, job ids recorded in them, queues announced.
 // Reading announced is also what makes its notifications run: Postgres
 // evaluates a SELECT in WITH only when the query reads it.
-const handoffCounts = `(SELECT count(*) + ` + waitedSQL + ` + (SELECT count(*) FROM lined) FROM ins), (SELECT count(*) FROM done), (SELECT coalesce(sum(jobs), 0) FROM done),
+const handoffCounts = `(SELECT count(*) + ` + waitedSQL + ` FROM ins), ` + doneCounts
+
+// lineCounts are handoffCounts for lineWrites: the jobs written add the
+// line rows the statement wrote itself (lined).
+const lineCounts = `(SELECT count(*) + ` + waitedSQL + ` + (SELECT count(*) FROM lined) FROM ins), ` + doneCounts
+
+// doneCounts are the last three of handoffCounts.
+const doneCounts = `(SELECT count(*) FROM done), (SELECT coalesce(sum(jobs), 0) FROM done),
        (SELECT count(*) FROM announced)`
 
 // waitedSQL is how many of the statement's jobs the ordering trigger

@@ -62,8 +62,8 @@ func TestHandoffWritesTheKeysLine(t *testing.T) {
 
 	cases := []struct {
 		name string
-		// setup changes the schema as the owner; pool picks the
-		// handoff's pool.
+		// setup changes the schema as its owner; role runs the handoff
+		// as outbox_dispatcher (else as the owner).
 		setup string
 		role  bool
 		// throughRiver is how many jobs go through River's insert in
